@@ -1,0 +1,19 @@
+# The two set-up commands of the README: each makes .venv when missing, installs the project, and runs.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+.PHONY: test demo
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+demo: $(STAMP)
+	$(BIN)/amsp-jax train --config configs/train/demo.yaml

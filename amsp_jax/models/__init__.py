@@ -1,0 +1,1 @@
+"""Models for examples, tests and benchmarks."""

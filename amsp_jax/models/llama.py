@@ -1,0 +1,168 @@
+"""LLaMA in Flax linen: RMSNorm, RoPE, SwiGLU, grouped-query causal attention, layers in a `LayerStack`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import yaml
+
+from amsp_jax.layers import LayerStack
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Model shape; `head_dim` = dim / heads."""
+
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 176
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    name: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.dim // self.n_heads
+
+    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Parameter shapes of one transformer layer."""
+        d, h, kv, hd, f = self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim
+        return {
+            "attention_norm": (d,),
+            "wq": (d, h, hd),
+            "wk": (d, kv, hd),
+            "wv": (d, kv, hd),
+            "wo": (h, hd, d),
+            "ffn_norm": (d,),
+            "w1": (d, f),
+            "w3": (d, f),
+            "w2": (f, d),
+        }
+
+    def num_params(self) -> int:
+        """Total parameter count."""
+        per_layer = sum(math.prod(s) for s in self.layer_shapes().values())
+        embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * per_layer + embeddings + self.dim
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> LlamaConfig:
+        """Read a `configs/models/*.yaml` file."""
+        data = yaml.safe_load(Path(path).read_text())
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"{path}: unknown model keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**data)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in fp32, returned in the input dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of the rotary embedding, shape (seq_len, head_dim // 2)."""
+    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x_BTHD: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate pairs (first half, second half) of each head by the position's angle."""
+    half = x_BTHD.shape[-1] // 2
+    x1, x2 = x_BTHD[..., :half].astype(jnp.float32), x_BTHD[..., half:].astype(jnp.float32)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTHD.dtype)
+
+
+class Block(nn.Module):
+    """One pre-norm transformer layer."""
+
+    config: LlamaConfig
+
+    @nn.compact
+    def __call__(self, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        c = self.config
+        shapes = c.layer_shapes()
+        init = nn.initializers.normal(0.02)
+        w = {
+            k: self.param(k, nn.initializers.ones if k.endswith("norm") else init, s)
+            for k, s in shapes.items()
+        }
+        dtype = w["wq"].dtype
+        x_BTD = x_BTD.astype(dtype)
+
+        h = rms_norm(x_BTD, w["attention_norm"], c.norm_eps)
+        q = apply_rope(jnp.einsum("btd,dhk->bthk", h, w["wq"]), cos, sin)
+        k = apply_rope(jnp.einsum("btd,dhk->bthk", h, w["wk"]), cos, sin)
+        v = jnp.einsum("btd,dhk->bthk", h, w["wv"])
+        groups = c.n_heads // c.n_kv_heads
+        q = q.reshape(*q.shape[:2], c.n_kv_heads, groups, c.head_dim)
+        scores = jnp.einsum("btgrk,bsgk->bgrts", q, k).astype(jnp.float32) / jnp.sqrt(c.head_dim)
+        seq = x_BTD.shape[1]
+        causal = jnp.tril(jnp.ones((seq, seq), bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        attn = jnp.einsum("bgrts,bsgk->btgrk", probs, v).reshape(*x_BTD.shape[:2], c.n_heads, c.head_dim)
+        x_BTD = x_BTD + jnp.einsum("bthk,hkd->btd", attn, w["wo"])
+
+        h = rms_norm(x_BTD, w["ffn_norm"], c.norm_eps)
+        gate = jax.nn.silu(h @ w["w1"]) * (h @ w["w3"])
+        return x_BTD + gate @ w["w2"]
+
+
+class Llama(nn.Module):
+    """Decoder-only LLaMA; `tokens` (batch, seq) int → logits (batch, seq, vocab) fp32."""
+
+    config: LlamaConfig
+
+    @nn.compact
+    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+        c = self.config
+        embed = self.param("embed", nn.initializers.normal(0.02), (c.vocab_size, c.dim))
+        x_BTD = jnp.take(embed, tokens_BT, axis=0)
+        cos, sin = rope_tables(tokens_BT.shape[1], c.head_dim, c.rope_theta)
+        x_BTD = LayerStack(Block(c, parent=None), c.n_layers, name="layers")(x_BTD, cos, sin)
+        x_BTD = rms_norm(x_BTD, self.param("norm", nn.initializers.ones, (c.dim,)), c.norm_eps)
+        head = (
+            embed.T
+            if c.tie_embeddings
+            else self.param("lm_head", nn.initializers.normal(0.02), (c.dim, c.vocab_size))
+        )
+        return (x_BTD @ head).astype(jnp.float32)
+
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in fp32."""
+    logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets_BT[..., None], axis=-1))
+
+
+def make_loss_fn(model: Llama) -> Any:
+    """`loss(params, batch)` for batches `{"inputs": (B, T), "targets": (B, T)}` of token ids."""
+
+    def loss(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        return cross_entropy(model.apply({"params": params}, batch["inputs"]), batch["targets"])
+
+    return loss

@@ -1,0 +1,377 @@
+"""The sharded train step: P gathered per layer, G on its own placement, OS updated by optax under jit.
+
+Data flow of one step (DESIGN §4), all in one `jit`:
+  1. `shard_map`: for each of M micro-batches, the forward gathers each layer's P shard, the backward
+     re-gathers it and reduce-scatters the layer's gradient into the G shard (fp32 accumulation);
+     then once per step the 2-hop reduction lands the summed gradient in OS's placement.
+  2. optax on the OS-sharded fp32 master weights (outside shard_map, so global reductions just work).
+  3. `shard_map`: the new master cast to P's dtype and all-gathered (or sliced) onto P's placement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import traverse_util
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from amsp_jax import collectives
+from amsp_jax.layers import LayerContext, layer_context, recording_stacks
+from amsp_jax.plan import Plan
+from amsp_jax.sharding import Layout, LeafLayout, batch_spec, leaf_layout, make_layout
+from amsp_jax.xla import compiler_options
+
+Path = tuple[str, ...]
+LossFn = Callable[[Any, Any], jax.Array]
+
+
+@flax.struct.dataclass
+class TrainState:
+    """The sharded training state: P (compute dtype), fp32 master and optimizer state on OS, step."""
+
+    step: jax.Array
+    params: Any
+    master: Any
+    opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """Every parameter leaf's split, keyed by its path; which subtrees are layer stacks."""
+
+    leaves: dict[Path, LeafLayout]
+    stacks: tuple[Path, ...]
+    treedef: Any
+
+    def stack_of(self, path: Path) -> Path | None:
+        """The layer stack holding `path`, if any."""
+        return next((s for s in self.stacks if path[: len(s)] == s), None)
+
+    def replicated(self) -> list[Path]:
+        """Leaves that no dimension of could be split, so every component keeps them whole."""
+        return [p for p, leaf in self.leaves.items() if leaf.dim is None]
+
+    def tree(self, fn: Callable[[Path, LeafLayout], Any]) -> Any:
+        """A params-shaped tree of `fn(path, leaf)`."""
+        return traverse_util.unflatten_dict({p: fn(p, leaf) for p, leaf in self.leaves.items()})
+
+
+def _flatten(tree: Any) -> dict[Path, Any]:
+    return traverse_util.flatten_dict(flax.core.unfreeze(tree))
+
+
+def param_layout(layout: Layout, abstract_params: Any, stacks: tuple[Path, ...]) -> ParamLayout:
+    """Split every leaf of `abstract_params` (shapes) for the layout."""
+    flat = _flatten(abstract_params)
+    leaves = {
+        path: leaf_layout(layout, leaf.shape, any(path[: len(s)] == s for s in stacks))
+        for path, leaf in flat.items()
+    }
+    return ParamLayout(leaves, stacks, jax.tree.structure(abstract_params))
+
+
+class Trainer:
+    """Trains a Flax linen model with an optax optimizer under a plan, one jitted step at a time."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        model: nn.Module,
+        optimizer: optax.GradientTransformation,
+        loss_fn: LossFn,
+        devices: list[jax.Device] | None = None,
+    ) -> None:
+        """`loss_fn(params, batch) -> mean loss` over one micro-batch; `params` as `model.init` makes them."""
+        self.plan = plan
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.layout = make_layout(plan.cluster, plan.strategy, devices)
+        self.params_layout: ParamLayout | None = None
+        self._step: Callable[..., Any] | None = None
+        self._compiled: dict[Any, Any] = {}
+
+    # ---- state -------------------------------------------------------------------------------------
+
+    def _abstract_params(
+        self, key: jax.Array, example_inputs: tuple[Any, ...]
+    ) -> tuple[Any, tuple[Path, ...]]:
+        with recording_stacks() as stacks:
+            abstract = jax.eval_shape(lambda k: self.model.init(k, *example_inputs)["params"], key)
+        return abstract, tuple(stacks)
+
+    def _sharding(self, component: str) -> Any:
+        assert self.params_layout is not None, "call init() first"
+        return self.params_layout.tree(lambda _, leaf: NamedSharding(self.layout.mesh, leaf.specs[component]))
+
+    def state_shardings(self) -> TrainState:
+        """The `NamedSharding` of every leaf of the state."""
+        master = self._sharding("opt_state")
+        abstract_opt = jax.eval_shape(self.optimizer.init, self._abstract_master())
+        opt = optax.tree_utils.tree_map_params(
+            self.optimizer,
+            lambda _, sharding: sharding,
+            abstract_opt,
+            master,
+            transform_non_params=lambda _: NamedSharding(self.layout.mesh, P()),
+        )
+        return TrainState(
+            step=NamedSharding(self.layout.mesh, P()),
+            params=self._sharding("params"),
+            master=master,
+            opt_state=opt,
+        )
+
+    def _abstract_master(self) -> Any:
+        assert self.params_layout is not None, "call init() first"
+        return self.params_layout.tree(lambda _, leaf: jax.ShapeDtypeStruct(leaf.shape, jnp.float32))
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of the state, for restoring a checkpoint onto this plan."""
+        shardings = self.state_shardings()
+        abstract = jax.eval_shape(lambda m: self._fresh_state(m), self._abstract_master())
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+        )
+
+    def setup(self, key: jax.Array, *example_inputs: Any) -> None:
+        """Trace the model once to learn its parameter shapes and layer stacks (no memory used)."""
+        abstract, stacks = self._abstract_params(key, example_inputs)
+        self.params_layout = param_layout(self.layout, abstract, stacks)
+
+    def init(self, key: jax.Array, *example_inputs: Any) -> TrainState:
+        """Initialise the sharded state; parameters are created directly in their OS shards."""
+        self.setup(key, *example_inputs)
+        shardings = self.state_shardings()
+
+        def make(k: jax.Array) -> TrainState:
+            params = self.model.init(k, *example_inputs)["params"]
+            return self._fresh_state(jax.tree.map(lambda x: x.astype(jnp.float32), params))
+
+        return jax.jit(make, out_shardings=shardings)(key)
+
+    def state_from_params(self, params: Any) -> TrainState:
+        """A fresh state (step 0, new optimizer state) from a full parameter tree (e.g. pretrained)."""
+        assert self.params_layout is not None, "call setup() or init() first"
+        shardings = self.state_shardings()
+        master = jax.device_put(jax.tree.map(lambda x: np.asarray(x, np.float32), params), shardings.master)
+        return jax.jit(self._fresh_state, out_shardings=shardings)(master)
+
+    def _fresh_state(self, master: Any) -> TrainState:
+        master = jax.lax.with_sharding_constraint(master, self._sharding("opt_state"))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=self._refresh(master),
+            master=master,
+            opt_state=self.optimizer.init(master),
+        )
+
+    def full_params(self, state: TrainState) -> Any:
+        """The full fp32 master parameters as host numpy arrays (every process gets them all)."""
+        gathered = jax.jit(lambda m: m, out_shardings=NamedSharding(self.layout.mesh, P()))(state.master)
+        return jax.tree.map(np.asarray, gathered)
+
+    # ---- the step ----------------------------------------------------------------------------------
+
+    def _refresh(self, master: Any) -> Any:
+        """New P from the OS-sharded master: cast, then all-gather the axes OS has beyond P (or slice)."""
+        layout, pl = self.layout, self.params_layout
+        assert pl is not None
+        dtype = jnp.dtype(self.plan.precision.param_dtype)
+        p_axes, o_axes = layout.axes("params"), layout.axes("opt_state")
+
+        def refresh_leaf(path: Path, block: jax.Array) -> jax.Array:
+            leaf = pl.leaves[path]
+            block = block.astype(dtype)
+            if leaf.dim is None:
+                return block
+            if set(p_axes) <= set(o_axes):
+                extra = [a for a in o_axes if a not in p_axes]
+                return collectives.all_gather(layout, block, extra, leaf.dim, replicated=True)
+            return collectives.local_slice(layout, block, [a for a in p_axes if a not in o_axes], leaf.dim)
+
+        def body(master_blocks: Any) -> Any:
+            flat = _flatten(master_blocks)
+            return traverse_util.unflatten_dict({p: refresh_leaf(p, x) for p, x in flat.items()})
+
+        specs = lambda comp: pl.tree(lambda _, leaf: leaf.specs[comp])  # noqa: E731
+        return jax.shard_map(
+            body, mesh=layout.mesh, in_specs=(specs("opt_state"),), out_specs=specs("params")
+        )(master)
+
+    def _gradients(self, params: Any, batch: Any) -> tuple[Any, jax.Array]:
+        """Mean loss and the summed-then-averaged gradient on OS's placement, from P shards and a batch."""
+        layout, pl, plan = self.layout, self.params_layout, self.plan
+        assert pl is not None
+        micro_batches = plan.micro_batches
+        count = layout.cluster.num_devices * micro_batches
+        reduce_dtype = jnp.dtype(plan.precision.reduce_dtype)
+        remat, policy = plan.remat_policy()
+        all_axes = layout.all_axes
+
+        def gather_fn(leaf: LeafLayout, stacked: bool) -> Callable[[jax.Array, jax.Array], jax.Array]:
+            dim = None if leaf.dim is None else leaf.dim - int(stacked)
+            return collectives.make_gather(
+                layout,
+                layout.axes("params") if dim is not None else (),
+                layout.axes("grads") if dim is not None else (),
+                dim,
+                reduce_dtype,
+            )
+
+        stack_gathers: dict[Path, Callable[[Any, Any], Any]] = {}
+        for stack in pl.stacks:
+            inner = {
+                path[len(stack) :]: gather_fn(leaf, stacked=True)
+                for path, leaf in pl.leaves.items()
+                if path[: len(stack)] == stack
+            }
+
+            def gather_layer(layer_params: Any, layer_sinks: Any, inner: dict[Path, Any] = inner) -> Any:
+                blocks, sinks = _flatten(layer_params), _flatten(layer_sinks)
+                return traverse_util.unflatten_dict({p: inner[p](blocks[p], sinks[p]) for p in blocks})
+
+            stack_gathers[stack] = gather_layer
+        top_gathers = {p: gather_fn(leaf, False) for p, leaf in pl.leaves.items() if pl.stack_of(p) is None}
+
+        def micro_loss(
+            sinks: dict[Path, jax.Array], blocks: dict[Path, jax.Array], micro_batch: Any
+        ) -> jax.Array:
+            tree = {p: (top_gathers[p](b, sinks[p]) if p in top_gathers else b) for p, b in blocks.items()}
+            stack_sinks = {
+                stack: traverse_util.unflatten_dict(
+                    {p[len(stack) :]: s for p, s in sinks.items() if p[: len(stack)] == stack}
+                )
+                for stack in pl.stacks
+            }
+            context = LayerContext(stack_gathers, stack_sinks, policy, remat)
+            with layer_context(context):
+                loss = self.loss_fn(traverse_util.unflatten_dict(tree), micro_batch)
+            return loss.astype(jnp.float32)
+
+        def to_opt_state(path: Path, g_block: jax.Array) -> jax.Array:
+            leaf = pl.leaves[path]
+            g_axes = layout.axes("grads") if leaf.dim is not None else ()
+            o_axes = layout.axes("opt_state") if leaf.dim is not None else ()
+            x = g_block.astype(reduce_dtype)
+            if set(g_axes) <= set(o_axes):
+                extra = [a for a in o_axes if a not in g_axes]
+                x = collectives.reduce_scatter(layout, x, extra, leaf.dim) if extra else x
+                x = collectives.all_reduce(layout, x, [a for a in all_axes if a not in o_axes])
+            else:
+                x = collectives.all_reduce(layout, x, [a for a in all_axes if a not in g_axes])
+                extra = [a for a in g_axes if a not in o_axes]
+                x = collectives.all_gather(layout, x, extra, leaf.dim, replicated=True)
+            return x.astype(jnp.float32) / count
+
+        def body(param_blocks: Any, local_batch: Any) -> tuple[Any, jax.Array]:
+            blocks = _flatten(param_blocks)
+            split = jax.tree.map(
+                lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), local_batch
+            )
+
+            def zeros_like_grad_block(path: Path) -> jax.Array:
+                leaf = pl.leaves[path]
+                shape = leaf.block_shape(layout, "grads")
+                return jax.lax.pcast(jnp.zeros(shape, jnp.float32), all_axes, to="varying")
+
+            sinks = {p: zeros_like_grad_block(p) for p in blocks}
+
+            def micro_step(
+                carry: tuple[dict[Path, jax.Array], jax.Array], micro_batch: Any
+            ) -> tuple[Any, None]:
+                accumulated, loss_sum = carry
+                loss, grads = jax.value_and_grad(micro_loss)(sinks, blocks, micro_batch)
+                accumulated = {p: accumulated[p] + grads[p] for p in accumulated}
+                return (accumulated, loss_sum + loss), None
+
+            zero_loss = jax.lax.pcast(jnp.zeros((), jnp.float32), all_axes, to="varying")
+            (accumulated, loss_sum), _ = jax.lax.scan(micro_step, (sinks, zero_loss), split)
+            grads = {p: to_opt_state(p, g) for p, g in accumulated.items()}
+            loss = jax.lax.psum(loss_sum, all_axes) / count
+            return traverse_util.unflatten_dict(grads), loss
+
+        specs = lambda comp: pl.tree(lambda _, leaf: leaf.specs[comp])  # noqa: E731
+        batch_specs = jax.tree.map(lambda x: batch_spec(layout, x.ndim), batch)
+        return jax.shard_map(
+            body,
+            mesh=layout.mesh,
+            in_specs=(specs("params"), batch_specs),
+            out_specs=(specs("opt_state"), P()),
+        )(params, batch)
+
+    def _train_step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        grads, loss = self._gradients(state.params, batch)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.master)
+        master = optax.apply_updates(state.master, updates)
+        new_state = TrainState(state.step + 1, self._refresh(master), master, opt_state)
+        return new_state, {"loss": loss, "grad_norm": grad_norm}
+
+    def check_batch(self, batch: Any) -> None:
+        """Raise a clear error when the global batch does not split into devices × micro-batches."""
+        devices, micro = self.layout.cluster.num_devices, self.plan.micro_batches
+        sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
+        if None in sizes or len(sizes) != 1:
+            raise ValueError(f"every batch leaf needs the same leading batch dimension, got {sizes}")
+        size = sizes.pop()
+        unit = devices * micro
+        if size % unit:
+            raise ValueError(
+                f"global batch {size} does not split into {devices} devices x {micro} micro-batches; "
+                f"use a multiple of {unit} (e.g. {max(1, size // unit) * unit})"
+            )
+
+    def shard_batch(self, batch: Any) -> Any:
+        """Place a global host batch on the devices, split along its first dimension."""
+        self.check_batch(batch)
+        if isinstance(jax.tree.leaves(batch)[0], jax.Array) and jax.process_count() == 1:
+            batch = jax.tree.map(np.asarray, batch)
+        return jax.tree.map(
+            lambda x: jax.make_array_from_callback(
+                np.shape(x),
+                NamedSharding(self.layout.mesh, batch_spec(self.layout, np.ndim(x))),
+                lambda i: x[i],
+            ),
+            batch,
+        )
+
+    def lower(self, state: Any, batch: Any) -> jax.stages.Lowered:
+        """The lowered (not yet compiled) step for this state and batch structure."""
+        shardings = self.state_shardings()
+        batch_shardings = jax.tree.map(
+            lambda x: NamedSharding(self.layout.mesh, batch_spec(self.layout, len(x.shape))), batch
+        )
+        replicated = NamedSharding(self.layout.mesh, P())
+        step = jax.jit(
+            self._train_step,
+            in_shardings=(shardings, batch_shardings),
+            out_shardings=(shardings, {"loss": replicated, "grad_norm": replicated}),
+            donate_argnums=0,
+        )
+        return step.lower(state, batch)
+
+    def compile(self, state: Any, batch: Any) -> jax.stages.Compiled:
+        """The compiled step for this state and batch structure (cached), with the overlap flags on GPU."""
+        key = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), batch)
+        key = str(jax.tree.structure(batch)), tuple(jax.tree.leaves(key))
+        if key not in self._compiled:
+            platform = self.layout.mesh.devices.flat[0].platform
+            self._compiled[key] = self.lower(state, batch).compile(compiler_options(platform))
+        return self._compiled[key]
+
+    def step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One optimizer step over a global batch (host arrays or already sharded); returns new state."""
+        self.check_batch(batch)
+        if not all(isinstance(x, jax.Array) and len(x.devices()) > 1 for x in jax.tree.leaves(batch)):
+            batch = self.shard_batch(batch)
+        return self.compile(state, batch)(state, batch)

@@ -1,0 +1,35 @@
+"""XLA options that let the step's collectives overlap with compute on GPU (passed per compile).
+
+On GPU the latency-hiding scheduler moves each layer's all-gather ahead of the layer's compute and
+each reduce-scatter behind it; the collective pipeliner prefetches loop iteration i+1's gather into
+iteration i (that is the per-layer prefetch of DESIGN §4: it is done by XLA, not by carrying gathered
+weights through the scan, which would make them scan residuals and keep every layer gathered).
+Combine thresholds sized to one layer keep XLA from merging several layers' collectives into one
+that can no longer overlap. The names follow MaxText's H100 settings (see REFERENCES.md). On CPU
+nothing is set: there is no asynchronous collective stream to schedule.
+"""
+
+from __future__ import annotations
+
+_MIB = 1 << 20
+
+
+def gpu_options(layer_bytes: int = 0) -> dict[str, object]:
+    """The GPU compiler options; combine thresholds are at least one layer's bytes."""
+    combine = max(layer_bytes, 64 * _MIB)
+    return {
+        "xla_gpu_enable_latency_hiding_scheduler": True,
+        "xla_gpu_enable_highest_priority_async_stream": True,
+        "xla_gpu_enable_while_loop_double_buffering": True,
+        "xla_gpu_enable_pipelined_all_gather": True,
+        "xla_gpu_enable_pipelined_reduce_scatter": True,
+        "xla_gpu_enable_pipelined_all_reduce": True,
+        "xla_gpu_all_gather_combine_threshold_bytes": combine,
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": combine,
+        "xla_gpu_all_reduce_combine_threshold_bytes": 2 * combine,
+    }
+
+
+def compiler_options(platform: str, layer_bytes: int = 0) -> dict[str, object] | None:
+    """Options for `Lowered.compile` on `platform` (None: XLA's defaults)."""
+    return gpu_options(layer_bytes) if platform in ("gpu", "cuda", "rocm") else None

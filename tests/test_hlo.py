@@ -1,0 +1,486 @@
+"""Tests of the HLO collective parser: hand-written HLO snippets and one program compiled on 8 CPU devices."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from amsp_jax.hlo import Collective, bytes_per_device, crosses, expand_replica_groups, parse_collectives
+
+ADD = """
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+"""
+
+
+def _groups(array: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(d) for d in row) for row in array)
+
+
+def _by_name(collectives: list[Collective]) -> dict[str, Collective]:
+    return {c.name: c for c in collectives}
+
+
+COND = """
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]{0}) parameter(0)
+  ROOT %t = pred[] constant(true)
+}
+"""
+
+
+def test_explicit_and_empty_groups():
+    assert expand_replica_groups("{{0,1},{2,3}}", 4) == ((0, 1), (2, 3))
+    assert expand_replica_groups("{{0,2,4,6},{1,3,5,7}}", 8) == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert expand_replica_groups("{}", 4) == ((0, 1, 2, 3),)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[2,4]<=[8]", np.arange(8).reshape(2, 4)),
+        ("[1,8]<=[8]", np.arange(8).reshape(1, 8)),
+        ("[8,1]<=[8]", np.arange(8).reshape(8, 1)),
+        ("[4,2]<=[2,4]T(1,0)", np.arange(8).reshape(2, 4).T.reshape(4, 2)),
+        ("[2,4]<=[4,2]T(1,0)", np.arange(8).reshape(4, 2).T.reshape(2, 4)),
+        ("[2,4]<=[2,2,2]T(1,0,2)", np.arange(8).reshape(2, 2, 2).transpose(1, 0, 2).reshape(2, 4)),
+        ("[4,2]<=[2,2,2]T(0,2,1)", np.arange(8).reshape(2, 2, 2).transpose(0, 2, 1).reshape(4, 2)),
+        ("[2,2,2]<=[2,2,2]T(2,1,0)", np.arange(8).reshape(2, 2, 2).transpose(2, 1, 0).reshape(4, 2)),
+        ("[2,2,4]<=[4,4]T(1,0)", np.arange(16).reshape(4, 4).T.reshape(4, 4)),
+    ],
+)
+def test_iota_groups_match_numpy(text, expected):
+    assert expand_replica_groups(text, int(expected.size)) == _groups(expected)
+
+
+def test_iota_groups_with_mismatched_counts_raise():
+    with pytest.raises(ValueError, match="different counts"):
+        expand_replica_groups("[2,4]<=[6]", 8)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("mesh['a'=2,'b'=4] {'b'}", np.arange(8).reshape(2, 4)),
+        ("mesh['a'=2,'b'=4] {'a'}", np.arange(8).reshape(2, 4).T),
+        ("mesh['a'=2,'b'=4] {'a','b'}", np.arange(8).reshape(1, 8)),
+        ("mesh['axis_0'=1,'axis_1'=2,'axis_2'=4] {'axis_1'}", np.arange(8).reshape(2, 4).T),
+        # Sub-axis (2)2 of an axis of 8: the devices whose index differs only in its middle bit.
+        ("mesh['a'=8] {'a':(2)2}", np.arange(8).reshape(2, 2, 2).transpose(0, 2, 1).reshape(4, 2)),
+        ("mesh['a'=8] {'a':(1)2,'a':(4)2}", np.arange(8).reshape(2, 2, 2).transpose(1, 0, 2).reshape(2, 4)),
+        ("mesh['a'=2,'b'=4], device_ids=(0,2,4,6,1,3,5,7) {'b'}", np.array([[0, 2, 4, 6], [1, 3, 5, 7]])),
+        # As printed for a (dp=2, tp=4) program resharding over tp: the mesh devices are iota(8) as [2,4],
+        # transposed, i.e. 0,4,1,5,2,6,3,7, so the tp groups are the contiguous ones.
+        (
+            "mesh['axis_0'=1,'axis_1'=1,'axis_2'=4,'axis_3'=2], device_ids=([2,4]T(1,0)) {'axis_2'}",
+            np.arange(8).reshape(2, 4),
+        ),
+        ("mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}", np.arange(8).reshape(2, 4)),
+    ],
+)
+def test_mesh_groups_match_numpy(text, expected):
+    assert expand_replica_groups(text, 8) == _groups(expected)
+
+
+NESTED = (
+    ADD
+    + COND
+    + """
+%inner (i: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %i = (s32[], f32[8]{0}) parameter(0)
+  %iv = f32[8]{0} get-tuple-element(%i), index=1
+  %ar = f32[8]{0} all-reduce(%iv), channel_id=1, replica_groups={{0,1},{2,3}}, to_apply=%add
+  %ic = s32[] get-tuple-element(%i), index=0
+  ROOT %it = (s32[], f32[8]{0}) tuple(%ic, %ar)
+}
+
+%outer (o: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %o = (s32[], f32[8]{0}) parameter(0)
+  %ov = f32[8]{0} get-tuple-element(%o), index=1
+  %ag = f32[32]{0} all-gather(%ov), channel_id=2, replica_groups=[1,4]<=[4], dimensions={0}
+  %w2 = (s32[], f32[8]{0}) while(%o), condition=%cond, body=%inner,
+      backend_config={"known_trip_count":{"n":"3"}}
+  %oc = s32[] get-tuple-element(%o), index=0
+  %ov2 = f32[8]{0} get-tuple-element(%w2), index=1
+  ROOT %ot = (s32[], f32[8]{0}) tuple(%oc, %ov2)
+}
+
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8]{0}) tuple(%zero, %p)
+  %w1 = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%outer,
+      backend_config={"known_trip_count":{"n":"4"}}
+  %rs = f32[2]{0} reduce-scatter(%p), channel_id=3, replica_groups={}, dimensions={0}, to_apply=%add
+  ROOT %out = f32[8]{0} get-tuple-element(%w1), index=1
+}
+"""
+)
+
+
+def test_nested_loops_multiply_trip_counts():
+    found = _by_name(parse_collectives(NESTED, 4))
+    assert set(found) == {"ar", "ag", "rs"}
+    assert (found["ar"].trip_count, found["ar"].computation) == (12, "inner")
+    assert (found["ag"].trip_count, found["ag"].computation) == (4, "outer")
+    assert found["rs"].trip_count == 1
+    assert found["rs"].replica_groups == ((0, 1, 2, 3),)
+    assert (found["ag"].operand_bytes, found["ag"].result_bytes) == (32, 128)
+
+
+def test_unknown_trip_count_raises_naming_the_loop():
+    text = NESTED.replace('body=%inner,\n      backend_config={"known_trip_count":{"n":"3"}}', "body=%inner")
+    assert "inner," not in text
+    with pytest.raises(ValueError, match=r"'w2'.*'outer'.*no known_trip_count.*'ar'"):
+        parse_collectives(text, 4)
+
+
+def test_unknown_trip_count_without_collectives_is_fine():
+    text = (
+        COND
+        + """
+%body (b: (s32[], f32[8])) -> (s32[], f32[8]) {
+  ROOT %b = (s32[], f32[8]{0}) parameter(0)
+}
+
+ENTRY %main (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %init_w = (s32[], f32[8]{0}) parameter(0)
+  ROOT %w = (s32[], f32[8]{0}) while(%init_w), condition=%cond, body=%body
+}
+"""
+    )
+    assert parse_collectives(text, 4) == []
+
+
+ASYNC = (
+    ADD
+    + """
+%wrapped_rs (q: f32[16,4]) -> f32[4,4] {
+  %q = f32[16,4]{1,0} parameter(0)
+  ROOT %rs = f32[4,4]{1,0} reduce-scatter(%q), channel_id=4, replica_groups={{0,1,2,3}}, dimensions={0},
+      to_apply=%add
+}, execution_thread="main"
+
+ENTRY %main (p: f32[16,4], p2: bf16[8]) -> f32[4,4] {
+  %p = f32[16,4]{1,0} parameter(0)
+  %p2 = bf16[8]{0} parameter(1)
+  %ags = (f32[16,4]{1,0}, f32[64,4]{1,0}) all-gather-start(%p), channel_id=1, replica_groups={{0,1,2,3}},
+      dimensions={0}
+  %agd = f32[64,4]{1,0} all-gather-done(%ags)
+  %ars = (f32[16,4]{1,0}, bf16[8]{0}) all-reduce-start(%p, %p2), channel_id=2, replica_groups={},
+      to_apply=%add
+  %ard = (f32[16,4]{1,0}, bf16[8]{0}) all-reduce-done(%ars)
+  %agc = ((f32[16,4]{1,0}, bf16[8]{0}), (f32[64,4]{1,0}, bf16[32]{0})) all-gather-start(%p, %p2),
+      replica_groups=[1,4]<=[4], dimensions={0}
+  %agcd = (f32[64,4]{1,0}, bf16[32]{0}) all-gather-done(%agc)
+  %war = ((f32[16,4]{1,0}), f32[16,4]{1,0}) all-reduce-start(%p), replica_groups={}, to_apply=%add
+  %ward = f32[16,4]{1,0} all-reduce-done(%war)
+  %cps = (f32[16,4]{1,0}, f32[16,4]{1,0}, u32[], u32[]) collective-permute-start(%p), channel_id=3,
+      source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %cpd = f32[16,4]{1,0} collective-permute-done(%cps)
+  %a2s = ((f32[16,4]{1,0}), f32[16,4]{1,0}) all-to-all-start(%p), channel_id=5, replica_groups={{0,1},{2,3}},
+      dimensions={0}
+  %a2d = f32[16,4]{1,0} all-to-all-done(%a2s)
+  %rss = ((f32[16,4]{1,0}), f32[8,4]{1,0}) reduce-scatter-start(%p), channel_id=6,
+      replica_groups={{0,1},{2,3}}, dimensions={0}, to_apply=%add
+  %rsd = f32[8,4]{1,0} reduce-scatter-done(%rss)
+  %wrs = ((f32[16,4]{1,0}), f32[4,4]{1,0}, s32[]) async-start(%p), calls=%wrapped_rs
+  %wru = ((f32[16,4]{1,0}), f32[4,4]{1,0}, s32[]) async-update(%wrs), calls=%wrapped_rs
+  ROOT %wrd = f32[4,4]{1,0} async-done(%wru), calls=%wrapped_rs
+}
+"""
+)
+
+
+def test_async_pairs_count_once_with_output_bytes():
+    found = parse_collectives(ASYNC, 4)
+    assert [(c.name, c.kind) for c in found] == [
+        ("rs", "reduce-scatter"),
+        ("ags", "all-gather"),
+        ("ars", "all-reduce"),
+        ("agc", "all-gather"),
+        ("war", "all-reduce"),
+        ("cps", "collective-permute"),
+        ("a2s", "all-to-all"),
+        ("rss", "reduce-scatter"),
+    ]
+    by_name = _by_name(found)
+    assert (by_name["ags"].operand_bytes, by_name["ags"].result_bytes) == (256, 1024)
+    assert (by_name["ars"].operand_bytes, by_name["ars"].result_bytes, by_name["ars"].dtype) == (
+        272,
+        272,
+        "f32",
+    )
+    assert by_name["ars"].replica_groups == ((0, 1, 2, 3),)
+    assert (by_name["agc"].operand_bytes, by_name["agc"].result_bytes) == (272, 1088)
+    assert (by_name["war"].operand_bytes, by_name["war"].result_bytes) == (256, 256)
+    assert (by_name["cps"].operand_bytes, by_name["cps"].result_bytes) == (256, 256)
+    assert by_name["cps"].source_target_pairs == ((0, 1), (1, 2), (2, 3), (3, 0))
+    assert by_name["cps"].replica_groups == ()
+    assert (by_name["a2s"].result_bytes, by_name["rss"].result_bytes) == (256, 128)
+
+
+def test_async_wrapper_computation_holds_the_collective():
+    rs = _by_name(parse_collectives(ASYNC, 4))["rs"]
+    assert rs == Collective(
+        kind="reduce-scatter",
+        name="rs",
+        computation="wrapped_rs",
+        operand_bytes=256,
+        result_bytes=64,
+        replica_groups=((0, 1, 2, 3),),
+        source_target_pairs=(),
+        trip_count=1,
+        dtype="f32",
+    )
+
+
+def test_async_wrapper_inside_loop_takes_the_trip_count():
+    body = (
+        ADD
+        + COND
+        + """
+%wrapped (q: f32[8]) -> f32[2] {
+  %q = f32[8]{0} parameter(0)
+  ROOT %rs = f32[2]{0} reduce-scatter(%q), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0},
+      to_apply=%add
+}
+
+%body (b: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %b = (s32[], f32[8]{0}) parameter(0)
+  %v = f32[8]{0} get-tuple-element(%b), index=1
+  %s = ((f32[8]{0}), f32[2]{0}) async-start(%v), calls=%wrapped
+  %d = f32[2]{0} async-done(%s), calls=%wrapped
+  ROOT %r = (s32[], f32[8]{0}) copy(%b)
+}
+
+ENTRY %main (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %init_w = (s32[], f32[8]{0}) parameter(0)
+  ROOT %w = (s32[], f32[8]{0}) while(%init_w), condition=%cond, body=%body,
+      backend_config={"known_trip_count":{"n":"7"}}
+}
+"""
+    )
+    [rs] = parse_collectives(body, 4)
+    assert (rs.name, rs.computation, rs.trip_count, rs.operand_bytes, rs.result_bytes) == (
+        "rs",
+        "wrapped",
+        7,
+        32,
+        8,
+    )
+
+
+def test_tuple_shaped_combined_all_reduce():
+    text = (
+        ADD
+        + """
+ENTRY %main (a: f32[2], b: bf16[4,4]) -> (f32[2], bf16[4,4]) {
+  %a = f32[2]{0} parameter(0)
+  %b = bf16[4,4]{1,0} parameter(1)
+  ROOT %ar = (f32[2]{0}, bf16[4,4]{1,0}) all-reduce(%a, %b), channel_id=1, replica_groups=[2,2]<=[4],
+      to_apply=%add
+}
+"""
+    )
+    [ar] = parse_collectives(text, 4)
+    assert (ar.kind, ar.operand_bytes, ar.result_bytes, ar.dtype) == ("all-reduce", 40, 40, "f32")
+    assert ar.replica_groups == ((0, 1), (2, 3))
+
+
+def test_calls_conditionals_and_fusions_are_followed():
+    text = (
+        ADD
+        + """
+%fused (f: f32[8]) -> f32[32] {
+  %f = f32[8]{0} parameter(0)
+  ROOT %fag = f32[32]{0} all-gather(%f), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+%callee (c: f32[8]) -> f32[8] {
+  %c = f32[8]{0} parameter(0)
+  %red = f32[] reduce(%c, %c0), dimensions={0}, to_apply=%add
+  %c0 = f32[] constant(0)
+  ROOT %car = f32[8]{0} all-reduce(%c), channel_id=2, replica_groups={{0,1},{2,3}}, to_apply=%add
+}
+
+%yes (t: f32[8]) -> f32[8] {
+  %t = f32[8]{0} parameter(0)
+  ROOT %ya2a = f32[8]{0} all-to-all(%t), channel_id=3, replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+%no (n: f32[8]) -> f32[8] {
+  ROOT %n = f32[8]{0} parameter(0)
+}
+
+%b0 (x0: f32[8]) -> f32[8] {
+  %x0 = f32[8]{0} parameter(0)
+  ROOT %bcp = f32[8]{0} collective-permute(%x0), channel_id=4, source_target_pairs={{0,2},{2,0}}
+}
+
+ENTRY %main (p: f32[8], flag: pred[], idx: s32[]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %flag = pred[] parameter(1)
+  %idx = s32[] parameter(2)
+  %fu = f32[32]{0} fusion(%p), kind=kLoop, calls=%fused
+  %cl = f32[8]{0} call(%p), to_apply=%callee
+  %tf = f32[8]{0} conditional(%flag, %p, %p), true_computation=%yes, false_computation=%no
+  ROOT %br = f32[8]{0} conditional(%idx, %p, %p), branch_computations={%b0, %no}
+}
+"""
+    )
+    found = _by_name(parse_collectives(text, 4))
+    assert {name: (c.kind, c.computation) for name, c in found.items()} == {
+        "fag": ("all-gather", "fused"),
+        "car": ("all-reduce", "callee"),
+        "ya2a": ("all-to-all", "yes"),
+        "bcp": ("collective-permute", "b0"),
+    }
+    assert all(c.trip_count == 1 for c in found.values())
+
+
+def test_collective_outside_the_call_graph_raises():
+    text = (
+        ADD
+        + """
+%orphan (o: f32[8]) -> f32[8] {
+  %o = f32[8]{0} parameter(0)
+  ROOT %lost = f32[8]{0} all-reduce(%o), replica_groups={}, to_apply=%add
+}
+
+ENTRY %main (p: f32[8]) -> f32[8] {
+  ROOT %p = f32[8]{0} parameter(0)
+}
+"""
+    )
+    with pytest.raises(ValueError, match=r"'lost'.*not reached from ENTRY"):
+        parse_collectives(text, 4)
+
+
+def test_shapes_layouts_inline_operand_shapes_and_index_comments():
+    text = (
+        ADD
+        + """
+ENTRY %main (p0: f32[8,128], p1: bf16[8], p2: s32[], p3: pred[4], p4: f16[2], p5: s8[16]) -> f32[8,128] {
+  %p0 = f32[8,128]{1,0:T(8,128)} parameter(0)
+  %p1 = bf16[8]{0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %p3 = pred[4]{0} parameter(3)
+  %p4 = f16[2]{0} parameter(4)
+  %p5 = s8[16]{0} parameter(5)
+  %u = u32[3]{0} constant({1, 2, 3})
+  %d = f64[1]{0} constant({1})
+  %combined = (f32[8,128]{1,0:T(8,128)}, bf16[8]{0}, s32[], pred[4]{0}, f16[2]{0},
+      /*index=5*/s8[16]{0}, u32[3]{0}, f64[1]{0}) all-reduce(%p0, %p1, %p2, %p3, %p4, /*index=5*/%p5, %u, %d),
+      replica_groups={}, to_apply=%add, metadata={op_name="jit(f)/psum{a,b}" source_file="x.py"}
+  %old = f32[32,128]{1,0} all-gather(f32[8,128]{1,0:T(8,128)} %p0), replica_groups={{0,1,2,3}}, dimensions={0}
+  ROOT %r = f32[8,128]{1,0} copy(%p0)
+}
+"""
+    )
+    found = _by_name(parse_collectives(text, 4))
+    expected = 8 * 128 * 4 + 8 * 2 + 4 + 4 + 2 * 2 + 16 + 3 * 4 + 8
+    assert (found["combined"].operand_bytes, found["combined"].result_bytes) == (expected, expected)
+    assert (found["old"].operand_bytes, found["old"].result_bytes) == (4096, 16384)
+
+
+def test_mesh_replica_groups_in_an_instruction():
+    text = (
+        ADD
+        + """
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %a = f32[8]{0} all-reduce(%p), channel_id=1, replica_groups=mesh['x'=2,'y'=4] {'x'}, to_apply=%add
+  ROOT %b = f32[8]{0} all-reduce(%a), channel_id=2,
+      replica_groups=mesh['x'=2,'y'=4], device_ids=(7,6,5,4,3,2,1,0) {'y'}, use_global_device_ids=true,
+      to_apply=%add
+}
+"""
+    )
+    found = _by_name(parse_collectives(text, 8))
+    assert found["a"].replica_groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert found["b"].replica_groups == ((7, 6, 5, 4), (3, 2, 1, 0))
+
+
+def _collective(kind: str, **changes) -> Collective:
+    base = Collective(
+        kind=kind,
+        name="c",
+        computation="main",
+        operand_bytes=1024,
+        result_bytes=4096,
+        replica_groups=((0, 1, 2, 3), (4, 5, 6, 7)),
+        source_target_pairs=(),
+        trip_count=1,
+        dtype="f32",
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def test_bytes_per_device_for_each_kind():
+    assert bytes_per_device(_collective("all-gather")) == 3 * 4096 // 4
+    assert bytes_per_device(_collective("reduce-scatter", operand_bytes=4096, result_bytes=1024)) == 3072
+    assert bytes_per_device(_collective("all-reduce", operand_bytes=4096)) == 2 * 3 * 4096 // 4
+    assert bytes_per_device(_collective("all-to-all", operand_bytes=4096)) == 3072
+    permute = _collective("collective-permute", replica_groups=(), source_target_pairs=((0, 1), (1, 0)))
+    assert bytes_per_device(permute) == 4096
+    assert bytes_per_device(dataclasses.replace(permute, trip_count=3)) == 3 * 4096
+
+
+def test_bytes_per_device_edge_cases():
+    assert bytes_per_device(_collective("all-gather", trip_count=5)) == 5 * 3072
+    assert bytes_per_device(_collective("all-reduce", replica_groups=((0,), (1,)))) == 0
+    assert bytes_per_device(_collective("collective-permute", replica_groups=())) == 0
+    self_pairs = _collective("collective-permute", replica_groups=(), source_target_pairs=((0, 0), (1, 1)))
+    assert bytes_per_device(self_pairs) == 0
+    with pytest.raises(ValueError, match="do not split over 3 devices"):
+        bytes_per_device(_collective("all-reduce", result_bytes=4, replica_groups=((0, 1, 2),)))
+
+
+def test_crosses():
+    node_of_device = [0, 0, 0, 0, 1, 1, 1, 1]
+    assert not crosses(_collective("all-gather"), node_of_device)
+    assert crosses(_collective("all-gather", replica_groups=((0, 4), (1, 5), (2, 6), (3, 7))), node_of_device)
+    ring = _collective("collective-permute", replica_groups=(), source_target_pairs=((0, 1), (1, 2)))
+    assert not crosses(ring, node_of_device)
+    assert crosses(dataclasses.replace(ring, source_target_pairs=((3, 4),)), node_of_device)
+
+
+def test_real_compiled_shard_map_program():
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+
+    def body(x):
+        def step(_, acc):
+            gathered = jax.lax.all_gather(acc, "b", axis=0, tiled=True)
+            return acc + 0.5 * gathered[: acc.shape[0]]
+
+        y = jax.lax.fori_loop(0, 5, step, x)
+        return jax.lax.psum_scatter(y, ("a", "b"), scatter_dimension=0, tiled=True)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("a", "b"), out_specs=P(("a", "b")))
+    x = jnp.ones((64, 32), jnp.float32)  # each device holds a (32, 8) f32 block: 1024 bytes
+    text = jax.jit(f).lower(x).compile().as_text()
+    found = parse_collectives(text, 8)
+
+    assert sorted((c.kind, c.trip_count) for c in found) == [("all-gather", 5), ("reduce-scatter", 1)]
+    ag = next(c for c in found if c.kind == "all-gather")
+    rs = next(c for c in found if c.kind == "reduce-scatter")
+    assert (ag.operand_bytes, ag.result_bytes, ag.dtype) == (1024, 4096, "f32")
+    assert {len(g) for g in ag.replica_groups} == {4}
+    assert sorted(ag.replica_groups) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert (rs.operand_bytes, rs.result_bytes) == (1024, 128)
+    assert rs.replica_groups == (tuple(range(8)),)
+    assert bytes_per_device(ag) == 5 * 3 * 4096 // 4
+    assert bytes_per_device(rs) == 7 * 1024 // 8
+    node_of_device = [d // 4 for d in range(8)]
+    assert not crosses(ag, node_of_device)
+    assert crosses(rs, node_of_device)
