@@ -75,6 +75,12 @@ def local_slice(layout: Layout, x: jax.Array, axes: Sequence[str], dim: int) -> 
     return jax.lax.dynamic_slice_in_dim(x, index * block, block, axis=dim)
 
 
+def mark_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
+    """`x` typed as varying over `axes` (no communication)."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def make_gather(
     layout: Layout,
     param_axes: Sequence[str],
@@ -92,7 +98,10 @@ def make_gather(
     @jax.custom_vjp
     def gather(p_block: jax.Array, g_sink: jax.Array) -> jax.Array:
         del g_sink
-        return all_gather(layout, p_block, param_axes, dim) if dim is not None else p_block
+        full = all_gather(layout, p_block, param_axes, dim) if dim is not None else p_block
+        # Typed as varying over every axis, like the batch it meets: otherwise autodiff would insert
+        # a hidden psum of the cotangent over the axes P is replicated on, before `backward` sees it.
+        return mark_varying(full, layout.all_axes)
 
     def forward(p_block: jax.Array, g_sink: jax.Array) -> tuple[jax.Array, None]:
         return gather(p_block, g_sink), None

@@ -282,7 +282,7 @@ class Trainer:
             def zeros_like_grad_block(path: Path) -> jax.Array:
                 leaf = pl.leaves[path]
                 shape = leaf.block_shape(layout, "grads")
-                return jax.lax.pcast(jnp.zeros(shape, jnp.float32), all_axes, to="varying")
+                return collectives.mark_varying(jnp.zeros(shape, jnp.float32), all_axes)
 
             sinks = {p: zeros_like_grad_block(p) for p in blocks}
 
@@ -294,7 +294,7 @@ class Trainer:
                 accumulated = {p: accumulated[p] + grads[p] for p in accumulated}
                 return (accumulated, loss_sum + loss), None
 
-            zero_loss = jax.lax.pcast(jnp.zeros((), jnp.float32), all_axes, to="varying")
+            zero_loss = collectives.mark_varying(jnp.zeros((), jnp.float32), all_axes)
             (accumulated, loss_sum), _ = jax.lax.scan(micro_step, (sinks, zero_loss), split)
             grads = {p: to_opt_state(p, g) for p, g in accumulated.items()}
             loss = jax.lax.psum(loss_sum, all_axes) / count
@@ -311,7 +311,7 @@ class Trainer:
 
     def _train_step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         grads, loss = self._gradients(state.params, batch)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.master)
         master = optax.apply_updates(state.master, updates)
         new_state = TrainState(state.step + 1, self._refresh(master), master, opt_state)
