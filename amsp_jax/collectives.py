@@ -15,16 +15,16 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from amsp_jax.sharding import Layout
+from amsp_jax.sharding import AxisPlan
 
 
-def runs(layout: Layout, axes: Sequence[str]) -> list[tuple[str, ...]]:
+def runs(layout: AxisPlan, axes: Sequence[str]) -> list[tuple[str, ...]]:
     """Split ordered `axes` into maximal runs of intra-node or inter-node axes, order kept."""
     return [tuple(group) for _, group in itertools.groupby(axes, key=layout.is_inter)]
 
 
 def all_gather(
-    layout: Layout, x: jax.Array, axes: Sequence[str], dim: int, replicated: bool = False
+    layout: AxisPlan, x: jax.Array, axes: Sequence[str], dim: int, replicated: bool = False
 ) -> jax.Array:
     """Tiled all-gather of `x` along `dim` over `axes` (major first), the minor runs first.
 
@@ -35,7 +35,7 @@ def all_gather(
     return x
 
 
-def reduce_scatter(layout: Layout, x: jax.Array, axes: Sequence[str], dim: int) -> jax.Array:
+def reduce_scatter(layout: AxisPlan, x: jax.Array, axes: Sequence[str], dim: int) -> jax.Array:
     """Tiled sum-reduce-scatter of `x` along `dim` over `axes` (major first), the major runs first."""
     for run in runs(layout, axes):
         x = jax.lax.psum_scatter(x, run, scatter_dimension=dim, tiled=True)
@@ -43,7 +43,7 @@ def reduce_scatter(layout: Layout, x: jax.Array, axes: Sequence[str], dim: int) 
 
 
 def hierarchical_split(
-    layout: Layout, x_size: int, axes: Sequence[str]
+    layout: AxisPlan, x_size: int, axes: Sequence[str]
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(intra, inter) axes of an all-reduce, with intra empty when it cannot run reduce-scatter first."""
     intra = tuple(a for a in axes if not layout.is_inter(a))
@@ -53,7 +53,7 @@ def hierarchical_split(
     return (), tuple(axes)
 
 
-def all_reduce(layout: Layout, x: jax.Array, axes: Sequence[str]) -> jax.Array:
+def all_reduce(layout: AxisPlan, x: jax.Array, axes: Sequence[str]) -> jax.Array:
     """Sum of `x` over `axes`; across nodes as intra reduce-scatter, inter all-reduce, intra all-gather."""
     if not axes:
         return x
@@ -65,12 +65,12 @@ def all_reduce(layout: Layout, x: jax.Array, axes: Sequence[str]) -> jax.Array:
     return jax.lax.all_gather(flat, intra, axis=0, tiled=True, to="invarying").reshape(x.shape)
 
 
-def local_slice(layout: Layout, x: jax.Array, axes: Sequence[str], dim: int) -> jax.Array:
+def local_slice(layout: AxisPlan, x: jax.Array, axes: Sequence[str], dim: int) -> jax.Array:
     """This device's block of `x` along `dim` when split over `axes` (major first): no communication."""
     count = layout.size(axes)
     index = jnp.zeros((), jnp.int32)
     for axis in axes:
-        index = index * layout.mesh.shape[axis] + jax.lax.axis_index(axis)
+        index = index * layout.axis_size(axis) + jax.lax.axis_index(axis)
     block = x.shape[dim] // count
     return jax.lax.dynamic_slice_in_dim(x, index * block, block, axis=dim)
 
@@ -82,7 +82,7 @@ def mark_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
 
 
 def make_gather(
-    layout: Layout,
+    layout: AxisPlan,
     param_axes: Sequence[str],
     grad_axes: Sequence[str],
     dim: int | None,

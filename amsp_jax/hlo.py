@@ -58,6 +58,7 @@ class Collective:
     source_target_pairs: tuple[tuple[int, int], ...]
     trip_count: int
     dtype: str
+    scalar: bool = False  # every result is rank 0: loss and norm reductions, not model-state traffic
 
 
 @dataclass(frozen=True)
@@ -384,6 +385,7 @@ def _collective(
         source_target_pairs=tuple((p[0], p[1]) for p in pairs),
         trip_count=trip_count,
         dtype=first.group(1) if first else "",
+        scalar=all(not dims.strip() for _, dims in _ARRAY.findall(output)),
     )
 
 
@@ -420,10 +422,8 @@ def bytes_per_device(c: Collective) -> int:
         "all-reduce": (2, c.result_bytes),
         "all-to-all": (1, c.result_bytes),
     }[c.kind]
-    moved = factor * (n - 1) * size
-    if moved % n:
-        raise ValueError(f"{c.kind} {c.name!r}: {factor}*({n}-1)*{size} bytes do not split over {n} devices")
-    return moved // n * c.trip_count
+    # Round up: a scalar over 3 devices still moves whole elements.
+    return -(-factor * (n - 1) * size // n) * c.trip_count
 
 
 def crosses(c: Collective, node_of_device: Sequence[int]) -> bool:

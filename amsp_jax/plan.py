@@ -55,7 +55,7 @@ class Plan:
     cluster: Cluster
     strategy: Strategy
     micro_batches: int = 1
-    precision: Precision = Precision()
+    precision: Precision = dataclasses.field(default_factory=Precision)
     remat: str = "full"
     allow_partial_nodes: bool = False
 

@@ -9,6 +9,7 @@ components is a slice, a reduce-scatter or an all-gather over the extra axes onl
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
@@ -16,31 +17,35 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from amsp_jax.space import COMPONENTS, Cluster, Placement, Strategy
+from amsp_jax.space import COMPONENTS, Cluster, Strategy
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
-    """The mesh of a (cluster, strategy) and, per component, the mesh axes it is sharded over."""
+class AxisPlan:
+    """The mesh axes of a (cluster, strategy) and the axes each component is sharded over; no devices."""
 
-    mesh: Mesh
     cluster: Cluster
     strategy: Strategy
+    axis_sizes: tuple[tuple[str, int], ...]
     component_axes: dict[str, tuple[str, ...]]
     inter_axes: frozenset[str]
 
     @property
     def all_axes(self) -> tuple[str, ...]:
         """Every mesh axis, outermost first."""
-        return tuple(self.mesh.axis_names)
+        return tuple(name for name, _ in self.axis_sizes)
 
     def axes(self, component: str) -> tuple[str, ...]:
         """The axes `component` is sharded over, in `PartitionSpec` order (major first)."""
         return self.component_axes[component]
 
+    def axis_size(self, axis: str) -> int:
+        """Number of devices along one axis."""
+        return dict(self.axis_sizes)[axis]
+
     def size(self, axes: Sequence[str]) -> int:
         """Number of devices spanned by `axes`."""
-        return int(np.prod([self.mesh.shape[a] for a in axes], dtype=np.int64))
+        return math.prod(self.axis_size(a) for a in axes)
 
     def is_inter(self, axis: str) -> bool:
         """Whether `axis` runs across nodes."""
@@ -49,6 +54,13 @@ class Layout:
     def node_of_device(self) -> list[int]:
         """Node index of each position of the flattened mesh (the compiled program's device ids)."""
         return [i // self.cluster.devices_per_node for i in range(self.cluster.num_devices)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout(AxisPlan):
+    """An `AxisPlan` placed on real devices: the `Mesh`."""
+
+    mesh: Mesh
 
 
 def _chain(
@@ -74,6 +86,28 @@ def ordered_devices(devices: Sequence[jax.Device] | None = None) -> list[jax.Dev
     return sorted(devices, key=lambda d: (d.process_index, d.id))
 
 
+def plan_axes(cluster: Cluster, strategy: Strategy) -> AxisPlan:
+    """The nested mesh axes of `strategy` on `cluster` (DESIGN §3), without touching devices."""
+    strategy.validate(cluster, allow_partial_nodes=True)
+    placements = strategy.placements()
+    intra_axes, intra_cover = _chain(
+        [p.intra for p in placements.values()], cluster.devices_per_node, "intra"
+    )
+    inter_axes, inter_cover = _chain([p.inter for p in placements.values()], cluster.nodes, "inter")
+    axis_sizes = tuple(reversed(inter_axes)) + tuple(reversed(intra_axes)) or (("intra0", 1),)
+
+    # Order components by group size; each adds its new intra axes, then its new inter axes, so every
+    # component's axes are a prefix of one order and reduce-scatters run intra-node first.
+    order: list[str] = []
+    component_axes: dict[str, tuple[str, ...]] = {}
+    for comp in sorted(COMPONENTS, key=lambda c: placements[c].degree):
+        intra, inter = intra_cover[placements[comp].intra], inter_cover[placements[comp].inter]
+        order += [a for a in intra + inter if a not in order]
+        mine = set(intra) | set(inter)
+        component_axes[comp] = tuple(a for a in order if a in mine)
+    return AxisPlan(cluster, strategy, axis_sizes, component_axes, frozenset(n for n, _ in inter_axes))
+
+
 def make_layout(cluster: Cluster, strategy: Strategy, devices: Sequence[jax.Device] | None = None) -> Layout:
     """Build the mesh for `strategy` on `cluster`, checking the devices match the cluster."""
     devices = ordered_devices(devices)
@@ -90,34 +124,13 @@ def make_layout(cluster: Cluster, strategy: Strategy, devices: Sequence[jax.Devi
             f"{len(processes)} processes (hosts) run but the cluster has {cluster.nodes} nodes; "
             "with several hosts each host is one node"
         )
-    strategy.validate(cluster, allow_partial_nodes=True)
-    placements = strategy.placements()
-    intra_axes, intra_cover = _chain(
-        [p.intra for p in placements.values()], cluster.devices_per_node, "intra"
-    )
-    inter_axes, inter_cover = _chain([p.inter for p in placements.values()], cluster.nodes, "inter")
-    mesh_axes = list(reversed(inter_axes)) + list(reversed(intra_axes))
-    names = tuple(name for name, _ in mesh_axes) or ("intra0",)
-    shape = tuple(size for _, size in mesh_axes) or (1,)
-    device_grid = np.array(devices, dtype=object).reshape(shape)
+    axes = plan_axes(cluster, strategy)
+    device_grid = np.array(devices, dtype=object).reshape([size for _, size in axes.axis_sizes])
     # Auto axes: every collective of the step is explicit (shard_map) and every output sharding is
     # given, so sharding-in-types would add nothing, and an Explicit mesh makes optax under jit and
     # host-side indexing of state arrays fail unless callers enter `jax.set_mesh`.
-    mesh = Mesh(device_grid, names, axis_types=(AxisType.Auto,) * len(names))
-
-    def group_axes(pl: Placement) -> tuple[list[str], list[str]]:
-        return intra_cover[pl.intra], inter_cover[pl.inter]
-
-    # Order components by group size; each adds its new intra axes, then its new inter axes, so every
-    # component's axes are a prefix of one order and reduce-scatters run intra-node first.
-    order: list[str] = []
-    component_axes: dict[str, tuple[str, ...]] = {}
-    for comp in sorted(COMPONENTS, key=lambda c: placements[c].degree):
-        intra, inter = group_axes(placements[comp])
-        order += [a for a in intra + inter if a not in order]
-        mine = set(intra) | set(inter)
-        component_axes[comp] = tuple(a for a in order if a in mine)
-    return Layout(mesh, cluster, strategy, component_axes, frozenset(n for n, _ in inter_axes))
+    mesh = Mesh(device_grid, axes.all_axes, axis_types=(AxisType.Auto,) * len(axes.all_axes))
+    return Layout(**{f.name: getattr(axes, f.name) for f in dataclasses.fields(AxisPlan)}, mesh=mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +141,7 @@ class LeafLayout:
     dim: int | None
     specs: dict[str, P]
 
-    def block_shape(self, layout: Layout, component: str) -> tuple[int, ...]:
+    def block_shape(self, layout: AxisPlan, component: str) -> tuple[int, ...]:
         """The shape of one device's block of this leaf under `component`'s placement."""
         if self.dim is None:
             return self.shape
@@ -149,7 +162,7 @@ def shard_dim(shape: Sequence[int], degree: int, stacked: bool) -> int | None:
     return best
 
 
-def leaf_layout(layout: Layout, shape: Sequence[int], stacked: bool) -> LeafLayout:
+def leaf_layout(layout: AxisPlan, shape: Sequence[int], stacked: bool) -> LeafLayout:
     """Split of one leaf: every component on the same dimension, smaller groups' axes first."""
     degree = max(layout.size(layout.axes(c)) for c in COMPONENTS)
     dim = shard_dim(shape, degree, stacked)

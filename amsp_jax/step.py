@@ -166,6 +166,19 @@ class Trainer:
         master = jax.device_put(jax.tree.map(lambda x: np.asarray(x, np.float32), params), shardings.master)
         return jax.jit(self._fresh_state, out_shardings=shardings)(master)
 
+    def assemble(self, step: Any, master: Any, opt_state: Any) -> TrainState:
+        """A state from restored logical parts (P is derived from the master), on this plan's shardings."""
+        shardings = self.state_shardings()
+
+        def build(step: Any, master: Any, opt_state: Any) -> TrainState:
+            return TrainState(jnp.asarray(step, jnp.int32), self._refresh(master), master, opt_state)
+
+        return jax.jit(
+            build,
+            in_shardings=(shardings.step, shardings.master, shardings.opt_state),
+            out_shardings=shardings,
+        )(step, master, opt_state)
+
     def _fresh_state(self, master: Any) -> TrainState:
         master = jax.lax.with_sharding_constraint(master, self._sharding("opt_state"))
         return TrainState(
@@ -320,7 +333,7 @@ class Trainer:
     def check_batch(self, batch: Any) -> None:
         """Raise a clear error when the global batch does not split into devices × micro-batches."""
         devices, micro = self.layout.cluster.num_devices, self.plan.micro_batches
-        sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
+        sizes = {x.shape[0] if len(x.shape) else None for x in jax.tree.leaves(batch)}
         if None in sizes or len(sizes) != 1:
             raise ValueError(f"every batch leaf needs the same leading batch dimension, got {sizes}")
         size = sizes.pop()
@@ -347,6 +360,7 @@ class Trainer:
 
     def lower(self, state: Any, batch: Any) -> jax.stages.Lowered:
         """The lowered (not yet compiled) step for this state and batch structure."""
+        self.check_batch(batch)
         shardings = self.state_shardings()
         batch_shardings = jax.tree.map(
             lambda x: NamedSharding(self.layout.mesh, batch_spec(self.layout, len(x.shape))), batch

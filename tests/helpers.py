@@ -54,6 +54,8 @@ def reference(model: Llama, data: list[dict[str, np.ndarray]], key: jax.Array) -
 def max_relative_error(actual: dict, expected: dict) -> float:
     """Largest per-leaf max|a - e| / max|e|."""
     errors = jax.tree.map(
-        lambda a, e: float(np.max(np.abs(np.asarray(a) - e)) / max(np.max(np.abs(e)), 1e-12)), actual, expected
+        lambda a, e: float(np.max(np.abs(np.asarray(a) - e)) / max(np.max(np.abs(e)), 1e-12)),
+        actual,
+        expected,
     )
     return max(jax.tree.leaves(errors))

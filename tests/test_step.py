@@ -79,12 +79,18 @@ def test_every_state_leaf_has_its_planned_sharding(model, data, strategy):
             assert array.sharding.mesh == layout.mesh
             if leaf.dim is not None:
                 axes = layout.axes(component)
-                expected = P(*[(axes if len(axes) > 1 else axes[0]) if i == leaf.dim and axes else None
-                               for i in range(len(leaf.shape))])
+                expected = P(
+                    *[
+                        (axes if len(axes) > 1 else axes[0]) if i == leaf.dim and axes else None
+                        for i in range(len(leaf.shape))
+                    ]
+                )
                 assert array.sharding.spec == expected
     for moment in jax.tree.leaves(state.opt_state):
         if moment.ndim:
-            assert moment.sharding.spec in {leaf.specs["opt_state"] for leaf in trainer.params_layout.leaves.values()}
+            assert moment.sharding.spec in {
+                leaf.specs["opt_state"] for leaf in trainer.params_layout.leaves.values()
+            }
     assert state.params["layers"]["layer"]["w1"].dtype == np.float32
 
 
@@ -110,15 +116,20 @@ def test_mixed_precision_tracks_the_fp32_reference(model, data, expected, strate
     assert state.params["layers"]["layer"]["w1"].dtype == jax.numpy.bfloat16
     assert state.master["layers"]["layer"]["w1"].dtype == np.float32
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-2)
-    diffs = jax.tree.map(lambda a, e: float(np.max(np.abs(a - e))), trainer.full_params(state), expected_params)
+    diffs = jax.tree.map(
+        lambda a, e: float(np.max(np.abs(a - e))), trainer.full_params(state), expected_params
+    )
     assert max(jax.tree.leaves(diffs)) < 1e-2
 
 
 def _compiled_bytes(trainer, state, batch):
     compiled = trainer.compile(state, trainer.shard_batch(batch))
     memory = compiled.memory_analysis()
-    return memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes + (
-        memory.temp_size_in_bytes
+    return (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + (memory.temp_size_in_bytes)
     )
 
 

@@ -1,0 +1,362 @@
+"""The analytic cost model: bytes of every collective phase and memory per device, without compiling.
+
+It mirrors the step exactly (same leaf splits, same decomposition of collectives into intra- and
+inter-node runs, same dtypes), so `amsp_jax.audit` can require the compiled program to move exactly
+the predicted bytes. Byte counts use the nccl-tests ring convention per device: all-gather and
+reduce-scatter move (n-1)/n of the larger buffer, all-reduce 2(n-1)/n.
+
+What runs how often (one step, M micro-batches, L layers):
+  - layer-stack leaves: gathered per layer and micro-batch in the forward pass, and again in the
+    backward pass unless remat is `none` (then the gathered weights are saved instead); their
+    gradient is reduce-scattered onto G per layer and micro-batch;
+  - other leaves (embeddings, final norm, or a whole model without a `LayerStack`): the gather does
+    not depend on the micro-batch, so XLA hoists it out of the micro-batch loop: once per step, kept
+    gathered for the step; their gradient is reduce-scattered per micro-batch;
+  - once per step: the 2-hop reduction onto OS's placement and the P refresh from the new master.
+Scalar reductions (the loss, gradient norms) are not model-state traffic and are left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+from amsp_jax.collectives import hierarchical_split, runs
+from amsp_jax.plan import Precision
+from amsp_jax.sharding import AxisPlan, LeafLayout, leaf_layout
+
+PHASES = (
+    "P gather, layers (forward)",
+    "P re-gather, layers (backward)",
+    "P gather, other leaves (once per step)",
+    "G reduce-scatter (per micro-batch)",
+    "G to OS reduction (once per step)",
+    "P refresh (once per step)",
+)
+FP32 = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafShape:
+    """One parameter leaf: its path, full shape, and whether it is a layer stack (leading layer axis)."""
+
+    path: tuple[str, ...]
+    shape: tuple[int, ...]
+    stacked: bool
+
+    @property
+    def size(self) -> int:
+        """Elements of the whole leaf."""
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDims:
+    """The transformer dimensions that set FLOPs and activation memory."""
+
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model's parameter leaves and dimensions, with the step's batch, precision and remat choices."""
+
+    leaves: tuple[LeafShape, ...]
+    dims: ModelDims
+    seq_len: int
+    micro_batch_size: int
+    micro_batches: int
+    precision: Precision = dataclasses.field(default_factory=Precision)
+    remat: str = "full"
+    opt_state_bytes_per_param: int = 2 * FP32
+    # XLA's CPU backend runs 16-bit collectives in fp32 (seen in compiled HLO); 4 models that there.
+    min_collective_itemsize: int = 1
+
+    def wire_bytes(self, itemsize: int) -> int:
+        """Bytes per element on the wire for a tensor of `itemsize`."""
+        return max(itemsize, self.min_collective_itemsize)
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count."""
+        return sum(leaf.size for leaf in self.leaves)
+
+    def tokens_per_device(self) -> int:
+        """Tokens one device processes per step."""
+        return self.seq_len * self.micro_batch_size * self.micro_batches
+
+    def flops_per_token(self) -> int:
+        """Model FLOPs per token, forward and backward: 6Φ + 12·L·H·Q·T (Megatron/PaLM convention)."""
+        d = self.dims
+        return 6 * self.num_params + 12 * d.n_layers * d.n_heads * d.head_dim * self.seq_len
+
+    def with_(self, **changes: object) -> Workload:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+
+def llama_workload(
+    config: object,
+    seq_len: int,
+    micro_batch_size: int = 1,
+    micro_batches: int = 1,
+    precision: Precision | str = "mixed",
+    remat: str = "full",
+) -> Workload:
+    """The workload of `amsp_jax.models.llama.Llama(config)` (same leaves as the Flax model)."""
+    c = config
+    leaves = [LeafShape(("embed",), (c.vocab_size, c.dim), False)]
+    leaves += [
+        LeafShape(("layers", "layer", name), (c.n_layers, *shape), True)
+        for name, shape in c.layer_shapes().items()
+    ]
+    leaves.append(LeafShape(("norm",), (c.dim,), False))
+    if not c.tie_embeddings:
+        leaves.append(LeafShape(("lm_head",), (c.dim, c.vocab_size), False))
+    dims = ModelDims(c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.vocab_size)
+    precision = Precision.named(precision) if isinstance(precision, str) else precision
+    return Workload(tuple(leaves), dims, seq_len, micro_batch_size, micro_batches, precision, remat)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """Bytes one device sends per step in one phase, by collective kind and link level."""
+
+    phase: str
+    kind: str
+    level: str
+    bytes: int
+    executions: int
+
+
+def _ring_bytes(kind: str, group: int, size: int) -> int:
+    factor = 2 if kind == "all-reduce" else 1
+    return -(-factor * (group - 1) * size // group)
+
+
+def _level(axes: AxisPlan, group_axes: Sequence[str]) -> str:
+    return "inter" if any(axes.is_inter(a) for a in group_axes) else "intra"
+
+
+def _gather(axes: AxisPlan, group_axes: Sequence[str], block_bytes: int) -> list[tuple[str, str, int]]:
+    """(kind, level, bytes) of `collectives.all_gather` from a block of `block_bytes`."""
+    out, current = [], block_bytes
+    for run in reversed(runs(axes, group_axes)):
+        current *= axes.size(run)
+        out.append(("all-gather", _level(axes, run), _ring_bytes("all-gather", axes.size(run), current)))
+    return out
+
+
+def _reduce_scatter(axes: AxisPlan, group_axes: Sequence[str], full_bytes: int) -> list[tuple[str, str, int]]:
+    """(kind, level, bytes) of `collectives.reduce_scatter` of a buffer of `full_bytes`."""
+    out, current = [], full_bytes
+    for run in runs(axes, group_axes):
+        out.append(
+            ("reduce-scatter", _level(axes, run), _ring_bytes("reduce-scatter", axes.size(run), current))
+        )
+        current //= axes.size(run)
+    return out
+
+
+def _all_reduce(
+    axes: AxisPlan, group_axes: Sequence[str], elements: int, itemsize: int
+) -> list[tuple[str, str, int]]:
+    """(kind, level, bytes) of `collectives.all_reduce`: hierarchical across nodes when it can be."""
+    if not group_axes:
+        return []
+    size = elements * itemsize
+    intra, rest = hierarchical_split(axes, elements, group_axes)
+    if not intra:
+        return [("all-reduce", _level(axes, rest), _ring_bytes("all-reduce", axes.size(rest), size))]
+    piece = size // axes.size(intra)
+    return [
+        ("reduce-scatter", "intra", _ring_bytes("reduce-scatter", axes.size(intra), size)),
+        ("all-reduce", "inter", _ring_bytes("all-reduce", axes.size(rest), piece)),
+        ("all-gather", "intra", _ring_bytes("all-gather", axes.size(intra), size)),
+    ]
+
+
+def _block_elements(axes: AxisPlan, leaf: LeafLayout, component: str) -> int:
+    return math.prod(leaf.block_shape(axes, component))
+
+
+def leaf_transfers(axes: AxisPlan, workload: Workload, leaf: LeafShape) -> list[Transfer]:
+    """Every collective the step runs for one leaf, with its executions per step."""
+    split = leaf_layout(axes, leaf.shape, leaf.stacked)
+    p_bytes = workload.wire_bytes(workload.precision.param_bytes)
+    r_bytes = workload.wire_bytes(workload.precision.reduce_bytes)
+    layers = leaf.shape[0] if leaf.stacked else 1
+    per_layer = leaf.size // layers
+    micro = workload.micro_batches
+    found: list[Transfer] = []
+
+    def add(phase: str, ops: Iterable[tuple[str, str, int]], executions: int) -> None:
+        found.extend(Transfer(phase, kind, level, size * executions, executions) for kind, level, size in ops)
+
+    all_axes = axes.all_axes
+    if split.dim is None:
+        add(PHASES[4], _all_reduce(axes, all_axes, leaf.size, r_bytes), 1)
+        return found
+    p_axes, g_axes, o_axes = axes.axes("params"), axes.axes("grads"), axes.axes("opt_state")
+    gather = _gather(axes, p_axes, per_layer // axes.size(p_axes) * p_bytes)
+    if leaf.stacked:
+        add(PHASES[0], gather, layers * micro)
+        if workload.remat != "none":
+            add(PHASES[1], gather, layers * micro)
+    else:
+        add(PHASES[2], gather, 1)
+    add(PHASES[3], _reduce_scatter(axes, g_axes, per_layer * r_bytes), layers * micro)
+
+    g_elements = _block_elements(axes, split, "grads")
+    if set(g_axes) <= set(o_axes):
+        extra = [a for a in o_axes if a not in g_axes]
+        reduction = _reduce_scatter(axes, extra, g_elements * r_bytes)
+        reduction += _all_reduce(
+            axes, [a for a in all_axes if a not in o_axes], _block_elements(axes, split, "opt_state"), r_bytes
+        )
+    else:
+        reduction = _all_reduce(axes, [a for a in all_axes if a not in g_axes], g_elements, r_bytes)
+        reduction += _gather(axes, [a for a in g_axes if a not in o_axes], g_elements * r_bytes)
+    add(PHASES[4], reduction, 1)
+    if set(p_axes) <= set(o_axes):
+        extra = [a for a in o_axes if a not in p_axes]
+        add(PHASES[5], _gather(axes, extra, _block_elements(axes, split, "opt_state") * p_bytes), 1)
+    return found
+
+
+def communication(axes: AxisPlan, workload: Workload) -> list[Transfer]:
+    """Per-device bytes of every phase, merged by (phase, kind, level)."""
+    merged: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for leaf in workload.leaves:
+        for t in leaf_transfers(axes, workload, leaf):
+            entry = merged[(t.phase, t.kind, t.level)]
+            entry[0] += t.bytes
+            entry[1] += t.executions
+    order = {p: i for i, p in enumerate(PHASES)}
+    return [
+        Transfer(phase, kind, level, size, count)
+        for (phase, kind, level), (size, count) in sorted(
+            merged.items(), key=lambda kv: (order[kv[0][0]], kv[0][1:])
+        )
+        if size
+    ]
+
+
+def bytes_by_kind_and_level(transfers: Iterable[Transfer]) -> dict[str, dict[str, int]]:
+    """{kind: {intra, inter}} byte totals."""
+    totals: dict[str, dict[str, int]] = {}
+    for t in transfers:
+        totals.setdefault(t.kind, {"intra": 0, "inter": 0})[t.level] += t.bytes
+    return totals
+
+
+def bytes_by_level(transfers: Iterable[Transfer]) -> dict[str, int]:
+    """{intra, inter} byte totals."""
+    totals = {"intra": 0, "inter": 0}
+    for t in transfers:
+        totals[t.level] += t.bytes
+    return totals
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Predicted bytes per device, by what holds them."""
+
+    params: int
+    grads: int
+    master: int
+    opt_state: int
+    gathered: int
+    activations: int
+    temporaries: int
+
+    @property
+    def model_states(self) -> int:
+        """P + G + OS (master and moments)."""
+        return self.params + self.grads + self.master + self.opt_state
+
+    @property
+    def total(self) -> int:
+        """Everything, the peak of one step."""
+        return self.model_states + self.gathered + self.activations + self.temporaries
+
+    def as_dict(self) -> dict[str, int]:
+        """Fields and total, for JSON."""
+        return {**dataclasses.asdict(self), "model_states": self.model_states, "total": self.total}
+
+
+def activation_bytes(workload: Workload) -> tuple[int, int]:
+    """(bytes kept per layer for the backward pass, bytes of one layer's full forward) per micro-batch."""
+    d, b, t = workload.dims, workload.micro_batch_size, workload.seq_len
+    act = workload.precision.param_bytes
+    tokens = b * t
+    kv = 2 * d.n_kv_heads * d.head_dim
+    attention = b * d.n_heads * t * t * (FP32 + act)
+    full_layer = act * tokens * (6 * d.dim + kv + 3 * d.ffn_dim) + attention
+    kept = {
+        "full": act * tokens * d.dim,
+        "dots": act * tokens * (4 * d.dim + kv + 3 * d.ffn_dim),
+        "none": full_layer,
+    }[workload.remat]
+    return kept, full_layer
+
+
+def memory(axes: AxisPlan, workload: Workload) -> Memory:
+    """Per-device memory of one step: model states, gathered weights, activations, temporaries."""
+    p_bytes = workload.precision.param_bytes
+    gathered_bytes = workload.wire_bytes(p_bytes)
+    params = grads = master = gathered_other = 0
+    layer_full = layer_sharded = 0
+    for leaf in workload.leaves:
+        split = leaf_layout(axes, leaf.shape, leaf.stacked)
+        params += _block_elements(axes, split, "params") * p_bytes
+        grads += _block_elements(axes, split, "grads") * FP32
+        master += _block_elements(axes, split, "opt_state") * FP32
+        if leaf.stacked:
+            layer_full += leaf.size // leaf.shape[0] * gathered_bytes
+            layer_sharded += _block_elements(axes, split, "params") // leaf.shape[0] * gathered_bytes
+        else:
+            gathered_other += (leaf.size - _block_elements(axes, split, "params")) * gathered_bytes
+    opt_state = master // FP32 * workload.opt_state_bytes_per_param
+    layers = workload.dims.n_layers
+    kept, full_layer = activation_bytes(workload)
+    # The backward pass holds a gathered layer and its full-size gradient before the reduce-scatter;
+    # without remat the forward keeps every layer's gathered weights as residuals.
+    gathered = gathered_other + 2 * (layer_full - layer_sharded)
+    if workload.remat == "none":
+        gathered += layers * (layer_full - layer_sharded)
+    d = workload.dims
+    logits = workload.micro_batch_size * workload.seq_len * d.vocab_size * FP32
+    activations = layers * kept + full_layer + 2 * logits
+    # One micro-batch's gradient beside the accumulator, and the optimizer's update on OS.
+    temporaries = grads + master
+    return Memory(params, grads, master, opt_state, gathered, activations, temporaries)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """Communication and memory of one plan on one workload."""
+
+    transfers: tuple[Transfer, ...]
+    memory: Memory
+
+    def bytes_by_level(self) -> dict[str, int]:
+        """{intra, inter} totals per device per step."""
+        return bytes_by_level(self.transfers)
+
+    def bytes_by_kind_and_level(self) -> dict[str, dict[str, int]]:
+        """{kind: {intra, inter}} totals per device per step."""
+        return bytes_by_kind_and_level(self.transfers)
+
+
+def predict(axes: AxisPlan, workload: Workload) -> Prediction:
+    """Bytes and memory of `workload` under the strategy that `axes` was planned for."""
+    return Prediction(tuple(communication(axes, workload)), memory(axes, workload))
