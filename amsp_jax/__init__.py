@@ -1,39 +1,41 @@
-"""amsp_jax: flexible P/G/OS sharding for LLM training in JAX (AMSP, arXiv 2311.00257)."""
+"""amsp_jax: flexible P/G/OS sharding for LLM training in JAX (AMSP, arXiv 2311.00257).
 
-from amsp_jax.layers import LayerStack
-from amsp_jax.plan import Plan, Precision
-from amsp_jax.space import (
-    Cluster,
-    Placement,
-    Strategy,
-    StrategyError,
-    ddp,
-    hsdp,
-    mics,
-    preset,
-    resolve,
-    zero1,
-    zero2,
-    zero3,
-)
-from amsp_jax.step import Trainer, TrainState
+The public names load lazily, so the `amsp-jax` command can size the CPU platform before JAX starts.
+"""
 
-__all__ = [
-    "Cluster",
-    "LayerStack",
-    "Placement",
-    "Plan",
-    "Precision",
-    "Strategy",
-    "StrategyError",
-    "TrainState",
-    "Trainer",
-    "ddp",
-    "hsdp",
-    "mics",
-    "preset",
-    "resolve",
-    "zero1",
-    "zero2",
-    "zero3",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LayerStack": "amsp_jax.layers",
+    "Plan": "amsp_jax.plan",
+    "Precision": "amsp_jax.plan",
+    "Cluster": "amsp_jax.space",
+    "Placement": "amsp_jax.space",
+    "Strategy": "amsp_jax.space",
+    "StrategyError": "amsp_jax.space",
+    "ddp": "amsp_jax.space",
+    "hsdp": "amsp_jax.space",
+    "mics": "amsp_jax.space",
+    "preset": "amsp_jax.space",
+    "resolve": "amsp_jax.space",
+    "zero1": "amsp_jax.space",
+    "zero2": "amsp_jax.space",
+    "zero3": "amsp_jax.space",
+    "Trainer": "amsp_jax.step",
+    "TrainState": "amsp_jax.step",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'amsp_jax' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

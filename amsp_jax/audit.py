@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -201,9 +202,11 @@ def workload_of(trainer: Any, batch: Any, dims: cost.ModelDims) -> cost.Workload
     )
 
 
-def audit_trainer(trainer: Any, batch: Any, dims: cost.ModelDims) -> Report:
+def audit_trainer(trainer: Any, batch: Any, dims: cost.ModelDims, dump_hlo: str | None = None) -> Report:
     """Compile a set-up `trainer`'s step for `batch` (shapes suffice) and compare it with the cost model."""
     abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     compiled = trainer.compile(trainer.abstract_state(), abstract_batch)
+    if dump_hlo:
+        Path(dump_hlo).write_text(compiled.as_text())
     predicted = cost.predict(trainer.layout, workload_of(trainer, batch, dims))
     return Report(str(trainer.plan.strategy), predicted, measure(compiled, trainer.layout))

@@ -121,9 +121,14 @@ def llama_workload(
     leaves.append(LeafShape(("norm",), (c.dim,), False))
     if not c.tie_embeddings:
         leaves.append(LeafShape(("lm_head",), (c.dim, c.vocab_size), False))
-    dims = ModelDims(c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.vocab_size)
     precision = Precision.named(precision) if isinstance(precision, str) else precision
-    return Workload(tuple(leaves), dims, seq_len, micro_batch_size, micro_batches, precision, remat)
+    return Workload(tuple(leaves), llama_dims(c), seq_len, micro_batch_size, micro_batches, precision, remat)
+
+
+def llama_dims(config: object) -> ModelDims:
+    """The `ModelDims` of a `LlamaConfig`."""
+    c = config
+    return ModelDims(c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import optax
 
+import amsp_jax as aj
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 
 TINY = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 SEQ = 8
+CLUSTER = aj.Cluster(2, 4)
+GLOBAL_BATCH = 24
+STEPS = 3
+# Every preset and more, for the step numerics and the audit (one compile per plan, shared).
+STRATEGIES = [
+    "ddp",
+    "zero1",
+    "zero2",
+    "zero3",
+    "mics",
+    "p=2x1,g=4x1,os=4x2",  # G sharded finer than P
+    "p=4x2,g=4x1,os=1x1",  # P sharded finer than OS
+    "p=4x1,g=4x2,os=4x1",  # G finer than OS: the reduction ends in an all-gather
+    "p=1x1,g=1x1,os=4x1",  # AMSP's LLaMA-7B choice, scaled to 4 devices per node
+    "p=2x1,g=2x1,os=4x1",  # AMSP's 13B shape
+    "p=4x1,g=4x1,os=4x2",  # AMSP's 30B shape
+    "p=1x1,g=4x1,os=4x2",
+]
 
 
 def optimizer() -> optax.GradientTransformation:
@@ -59,3 +80,25 @@ def max_relative_error(actual: dict, expected: dict) -> float:
         expected,
     )
     return max(jax.tree.leaves(errors))
+
+
+@functools.cache
+def train_data() -> list[dict[str, np.ndarray]]:
+    """The batches every strategy of the step and audit tests trains on."""
+    return batches(GLOBAL_BATCH, STEPS)
+
+
+@functools.cache
+def trained(strategy: str, micro_batches: int, precision: str = "fp32", remat: str = "full") -> tuple:
+    """(trainer, final state, losses) of `STEPS` steps of the tiny model; cached so the step and
+    audit tests share one compile per plan."""
+    model = Llama(TINY)
+    plan = aj.Plan(CLUSTER, aj.resolve(strategy, CLUSTER), micro_batches, precision=precision, remat=remat)
+    trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model))
+    data = train_data()
+    state = trainer.init(jax.random.key(0), data[0]["inputs"])
+    losses = []
+    for batch in data:
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return trainer, state, losses

@@ -9,25 +9,18 @@ from jax.sharding import PartitionSpec as P
 
 import amsp_jax as aj
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
-from tests.helpers import TINY, batches, max_relative_error, optimizer, reference
-
-CLUSTER = aj.Cluster(2, 4)
-GLOBAL_BATCH = 24
-STEPS = 3
-STRATEGIES = [
-    "ddp",
-    "zero1",
-    "zero2",
-    "zero3",
-    "mics",
-    "p=2x1,g=4x1,os=4x2",  # G sharded finer than P
-    "p=4x2,g=4x1,os=1x1",  # P sharded finer than OS
-    "p=4x1,g=4x2,os=4x1",  # G finer than OS: the reduction ends in an all-gather
-    "p=1x1,g=1x1,os=4x1",  # AMSP's LLaMA-7B choice, scaled to 4 devices per node
-    "p=2x1,g=2x1,os=4x1",  # AMSP's 13B shape
-    "p=4x1,g=4x1,os=4x2",  # AMSP's 30B shape
-    "p=1x1,g=4x1,os=4x2",
-]
+from tests.helpers import (
+    CLUSTER,
+    STEPS,
+    STRATEGIES,
+    TINY,
+    batches,
+    max_relative_error,
+    optimizer,
+    reference,
+    train_data,
+    trained,
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +30,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def data():
-    return batches(GLOBAL_BATCH, STEPS)
+    return train_data()
 
 
 @pytest.fixture(scope="module")
@@ -45,22 +38,11 @@ def expected(model, data):
     return reference(model, data, jax.random.key(0))
 
 
-def train(model, data, strategy, micro_batches, precision="fp32", remat="full"):
-    plan = aj.Plan(CLUSTER, aj.resolve(strategy, CLUSTER), micro_batches, precision=precision, remat=remat)
-    trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model))
-    state = trainer.init(jax.random.key(0), data[0]["inputs"])
-    losses = []
-    for batch in data:
-        state, metrics = trainer.step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return trainer, state, losses
-
-
 @pytest.mark.parametrize("micro_batches", [1, 3])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_fp32_step_equals_single_device_reference(model, data, expected, strategy, micro_batches):
     expected_losses, expected_params = expected
-    trainer, state, losses = train(model, data, strategy, micro_batches)
+    trainer, state, losses = trained(strategy, micro_batches)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     assert max_relative_error(trainer.full_params(state), expected_params) < 1e-5
     assert int(state.step) == STEPS
@@ -68,7 +50,7 @@ def test_fp32_step_equals_single_device_reference(model, data, expected, strateg
 
 @pytest.mark.parametrize("strategy", ["zero3", "p=2x1,g=4x1,os=4x2", "p=4x2,g=4x1,os=1x1"])
 def test_every_state_leaf_has_its_planned_sharding(model, data, strategy):
-    trainer, state, _ = train(model, data[:1], strategy, 1)
+    trainer, state, _ = trained(strategy, 1)
     layout = trainer.layout
     for component, tree in [("params", state.params), ("opt_state", state.master)]:
         for path, leaf in trainer.params_layout.leaves.items():
@@ -95,7 +77,7 @@ def test_every_state_leaf_has_its_planned_sharding(model, data, strategy):
 
 
 def test_strategy_axes_follow_the_nested_groups(model, data):
-    trainer, _, _ = train(model, data[:1], "p=2x1,g=4x1,os=4x2", 1)
+    trainer, _, _ = trained("p=2x1,g=4x1,os=4x2", 1)
     layout = trainer.layout
     assert dict(layout.mesh.shape) == {"inter0": 2, "intra1": 2, "intra0": 2}
     assert layout.axes("params") == ("intra0",)
@@ -112,7 +94,7 @@ def test_strategy_axes_follow_the_nested_groups(model, data):
 @pytest.mark.parametrize("strategy", ["zero3", "p=2x1,g=4x1,os=4x2"])
 def test_mixed_precision_tracks_the_fp32_reference(model, data, expected, strategy):
     expected_losses, expected_params = expected
-    trainer, state, losses = train(model, data, strategy, 3, precision="mixed")
+    trainer, state, losses = trained(strategy, 3, precision="mixed")
     assert state.params["layers"]["layer"]["w1"].dtype == jax.numpy.bfloat16
     assert state.master["layers"]["layer"]["w1"].dtype == np.float32
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-2)
