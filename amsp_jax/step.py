@@ -380,8 +380,50 @@ class Trainer:
         key = str(jax.tree.structure(batch)), tuple(jax.tree.leaves(key))
         if key not in self._compiled:
             platform = self.layout.mesh.devices.flat[0].platform
-            self._compiled[key] = self.lower(state, batch).compile(compiler_options(platform))
+            options = compiler_options(platform, self._largest_gather_bytes())
+            self._compiled[key] = self.lower(state, batch).compile(options)
         return self._compiled[key]
+
+    def _largest_gather_bytes(self) -> int:
+        """Bytes of the largest single gather: one layer of a stack, or all the other leaves together."""
+        pl = self.params_layout
+        assert pl is not None
+        itemsize = self.plan.precision.param_bytes
+        per_group: dict[Path | None, int] = {}
+        for path, leaf in pl.leaves.items():
+            stack = pl.stack_of(path)
+            elements = int(np.prod(leaf.shape)) // (leaf.shape[0] if stack else 1)
+            per_group[stack] = per_group.get(stack, 0) + elements * itemsize
+        return max(per_group.values(), default=0)
+
+    def describe(self) -> str:
+        """The plan as laid out for this model: mesh axes, component axes, gathering, replicated leaves."""
+        pl = self.params_layout
+        lines = [f"plan        {self.plan.describe()}"]
+        mesh = ", ".join(f"{name}={size}{' (inter-node)' if self.layout.is_inter(name) else ''}"
+                         for name, size in self.layout.axis_sizes)  # fmt: skip
+        lines.append(f"mesh        {mesh}")
+        for component in ("params", "grads", "opt_state"):
+            axes = self.layout.axes(component) or ("replicated",)
+            placement = getattr(self.plan.strategy, component)
+            lines.append(f"{component:<11} {placement} over {', '.join(axes)}")
+        if pl is None:
+            return "\n".join(lines)
+        if pl.stacks:
+            stacks = ", ".join("/".join(s) for s in pl.stacks)
+            lines.append(f"gathering   per layer inside the layer scan of {stacks}")
+        else:
+            lines.append(
+                "gathering   whole tree: the model has no LayerStack, so every parameter is gathered once "
+                "per step and stays gathered for the step (memory of the full P)"
+            )
+        replicated = pl.replicated()
+        if replicated and any(self.layout.axes(c) for c in ("params", "grads", "opt_state")):
+            names = ", ".join("/".join(p) for p in replicated)
+            lines.append(
+                f"replicated  {len(replicated)} leaves have no dimension divisible by the group: {names}"
+            )
+        return "\n".join(lines)
 
     def step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step over a global batch (host arrays or already sharded); returns new state."""

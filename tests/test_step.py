@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -151,3 +153,48 @@ def test_batch_that_does_not_split(model, data):
 def test_invalid_strategy_in_a_plan():
     with pytest.raises(aj.StrategyError, match="does not divide"):
         aj.Plan(CLUSTER, aj.Strategy.parse("p=3x1,g=3x1,os=3x1"))
+
+
+class PlainMLP(nn.Module):
+    """A model without LayerStack: amsp_jax gathers its whole tree."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(64)(x)
+        x = nn.Dense(48)(jax.nn.gelu(x))
+        return nn.Dense(3)(jax.nn.gelu(x))  # its (3,) bias has no dimension that splits 8 ways
+
+
+def test_model_without_layer_stack_gathers_the_whole_tree_and_matches():
+    model = PlainMLP()
+    rng = np.random.default_rng(1)
+    normal = lambda *shape: rng.normal(size=shape).astype(np.float32)  # noqa: E731
+    data = [{"x": normal(16, 8), "y": normal(16, 3)} for _ in range(3)]
+
+    def loss_fn(params, batch):
+        return jax.numpy.mean((model.apply({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+    params = model.init(jax.random.key(0), data[0]["x"])["params"]
+    opt = optimizer()
+    opt_state = opt.init(params)
+    expected = []
+    for batch in data:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        expected.append(float(loss))
+
+    plan = aj.Plan(CLUSTER, aj.zero3(CLUSTER), micro_batches=2, precision="fp32")
+    trainer = aj.Trainer(plan, model, optimizer(), loss_fn)
+    state = trainer.init(jax.random.key(0), data[0]["x"])
+    losses = []
+    for batch in data:
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    assert max_relative_error(trainer.full_params(state), jax.tree.map(np.asarray, params)) < 1e-5
+    description = trainer.describe()
+    assert trainer.params_layout.stacks == ()
+    assert "whole tree" in description
+    assert trainer.params_layout.replicated() == [("Dense_2", "bias")]
+    assert "Dense_2/bias" in description
