@@ -50,5 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     assert module is not None
     return int(module.run(args) or 0)
 
+
 if __name__ == "__main__":
     sys.exit(main())

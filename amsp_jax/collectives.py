@@ -81,6 +81,28 @@ def mark_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def gather_weights(
+    layout: AxisPlan, p_block: jax.Array, param_axes: Sequence[str], dim: int | None
+) -> jax.Array:
+    """The full leaf from this device's P block (typed varying over every axis, like the batch it meets).
+
+    Without that typing, autodiff would insert a hidden psum of the cotangent over the axes P is
+    replicated on.
+    """
+    full = all_gather(layout, p_block, param_axes, dim) if dim is not None else p_block
+    return mark_varying(full, layout.all_axes)
+
+
+def reduce_gradient(
+    layout: AxisPlan, cotangent: jax.Array, grad_axes: Sequence[str], dim: int | None, reduce_dtype: jnp.dtype
+) -> jax.Array:
+    """This device's fp32 G block of a full-leaf gradient: reduce-scatter over G's axes in `reduce_dtype`."""
+    reduced = cotangent.astype(reduce_dtype)
+    if dim is not None:
+        reduced = reduce_scatter(layout, reduced, grad_axes, dim)
+    return reduced.astype(jnp.float32)
+
+
 def make_gather(
     layout: AxisPlan,
     param_axes: Sequence[str],
@@ -90,27 +112,20 @@ def make_gather(
 ) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """`gather(p_block, g_sink) -> full leaf` whose gradient lands in `g_sink`, reduce-scattered over G.
 
-    The backward pass turns the full-leaf cotangent into this device's G block (a reduce-scatter over
-    the G axes, or nothing when G is replicated) and hands it to the zero "sink" of G's shape, so
-    `jax.grad` with respect to the sinks yields gradients already on G's placement.
+    The backward pass turns the full-leaf cotangent into this device's G block and hands it to the zero
+    "sink" of G's shape, so `jax.grad` with respect to the sinks yields gradients already on G.
     """
 
     @jax.custom_vjp
     def gather(p_block: jax.Array, g_sink: jax.Array) -> jax.Array:
         del g_sink
-        full = all_gather(layout, p_block, param_axes, dim) if dim is not None else p_block
-        # Typed as varying over every axis, like the batch it meets: otherwise autodiff would insert
-        # a hidden psum of the cotangent over the axes P is replicated on, before `backward` sees it.
-        return mark_varying(full, layout.all_axes)
+        return gather_weights(layout, p_block, param_axes, dim)
 
     def forward(p_block: jax.Array, g_sink: jax.Array) -> tuple[jax.Array, None]:
         return gather(p_block, g_sink), None
 
     def backward(_: None, cotangent: jax.Array) -> tuple[None, jax.Array]:
-        reduced = cotangent.astype(reduce_dtype)
-        if dim is not None:
-            reduced = reduce_scatter(layout, reduced, grad_axes, dim)
-        return None, reduced.astype(jnp.float32)
+        return None, reduce_gradient(layout, cotangent, grad_axes, dim, reduce_dtype)
 
     gather.defvjp(forward, backward)
     return gather

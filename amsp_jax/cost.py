@@ -333,9 +333,11 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
     opt_state = master // FP32 * workload.opt_state_bytes_per_param
     layers = workload.dims.n_layers
     kept, full_layer = activation_bytes(workload)
-    # The backward pass holds a gathered layer and its full-size gradient before the reduce-scatter;
-    # without remat the forward keeps every layer's gathered weights as residuals.
-    gathered = gathered_other + 2 * (layer_full - layer_sharded)
+    # The backward pass holds a gathered layer and its full-size gradient before the reduce-scatter,
+    # plus the next layer when it is prefetched (remat full); without remat the forward keeps every
+    # layer's gathered weights as residuals.
+    held = 3 if workload.remat == "full" else 2
+    gathered = gathered_other + held * (layer_full - layer_sharded)
     if workload.remat == "none":
         gathered += layers * (layer_full - layer_sharded)
     d = workload.dims

@@ -18,19 +18,29 @@ from typing import Any
 import flax.linen as nn
 import jax
 
+from amsp_jax.layer_scan import prefetched_scan
+
 STACK_PARAM = "layer"
 
-LayerGather = Callable[[Any, Any], Any]
+
+@dataclasses.dataclass(frozen=True)
+class StackOps:
+    """How a step moves one layer of a stack: trees in, trees out (per-layer parameter structure)."""
+
+    gather_with_sink: Callable[[Any, Any], Any]  # (P shards, G sinks) -> full weights; grads into sinks
+    gather: Callable[[Any], Any]  # P shards -> full weights
+    reduce: Callable[[Any], Any]  # full weight grads -> fp32 G shards
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerContext:
-    """What a step hands the stacks while it traces: per stack path, how to gather one layer."""
+    """What a step hands the stacks while it traces: per stack path, how to move one layer."""
 
-    gathers: dict[tuple[str, ...], LayerGather]
+    stacks: dict[tuple[str, ...], StackOps]
     sinks: dict[tuple[str, ...], Any]
     remat_policy: Callable[..., bool] | None
     remat: bool
+    prefetch: bool = False
     seen: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
 
 
@@ -89,18 +99,29 @@ class LayerStack(nn.Module):
         if recording is not None and path not in recording:
             recording.append(path)
         context = _CONTEXT.get()
-        if context is None or path not in context.gathers:
+        if context is None or path not in context.stacks:
 
             def plain(carry: jax.Array, layer_params: Any) -> tuple[jax.Array, None]:
                 return block.apply({"params": layer_params}, carry, *args), None
 
             return jax.lax.scan(plain, x, stacked)[0]
 
-        gather = context.gathers[path]
+        ops = context.stacks[path]
         context.seen.add(path)
+        sinks = context.sinks[path]
+        if context.prefetch:
+            return prefetched_scan(
+                lambda h, weights, args: block.apply({"params": weights}, h, *args),
+                ops.gather,
+                ops.reduce,
+                x,
+                stacked,
+                sinks,
+                args,
+            )
 
         def layer(carry: jax.Array, layer_params: Any, layer_sink: Any) -> jax.Array:
-            return block.apply({"params": gather(layer_params, layer_sink)}, carry, *args)
+            return block.apply({"params": ops.gather_with_sink(layer_params, layer_sink)}, carry, *args)
 
         if context.remat:
             layer = jax.checkpoint(layer, policy=context.remat_policy)
@@ -108,4 +129,4 @@ class LayerStack(nn.Module):
         def body(carry: jax.Array, xs: tuple[Any, Any]) -> tuple[jax.Array, None]:
             return layer(carry, *xs), None
 
-        return jax.lax.scan(body, x, (stacked, context.sinks[path]))[0]
+        return jax.lax.scan(body, x, (stacked, sinks))[0]

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from amsp_jax import collectives
-from amsp_jax.layers import LayerContext, layer_context, recording_stacks
+from amsp_jax.layers import LayerContext, StackOps, layer_context, recording_stacks
 from amsp_jax.plan import Plan
 from amsp_jax.sharding import Layout, LeafLayout, batch_spec, leaf_layout, make_layout
 from amsp_jax.xla import compiler_options
@@ -231,29 +231,36 @@ class Trainer:
         remat, policy = plan.remat_policy()
         all_axes = layout.all_axes
 
-        def gather_fn(leaf: LeafLayout, stacked: bool) -> Callable[[jax.Array, jax.Array], jax.Array]:
+        def leaf_axes(leaf: LeafLayout, stacked: bool) -> tuple[tuple[str, ...], tuple[str, ...], int | None]:
             dim = None if leaf.dim is None else leaf.dim - int(stacked)
-            return collectives.make_gather(
-                layout,
-                layout.axes("params") if dim is not None else (),
-                layout.axes("grads") if dim is not None else (),
-                dim,
-                reduce_dtype,
-            )
+            if dim is None:
+                return (), (), None
+            return layout.axes("params"), layout.axes("grads"), dim
 
-        stack_gathers: dict[Path, Callable[[Any, Any], Any]] = {}
+        def gather_fn(leaf: LeafLayout, stacked: bool) -> Callable[[jax.Array, jax.Array], jax.Array]:
+            return collectives.make_gather(layout, *leaf_axes(leaf, stacked), reduce_dtype)
+
+        def per_leaf(fn: Callable[..., jax.Array], axes: dict[Path, Any]) -> Callable[..., Any]:
+            def apply(*trees: Any) -> Any:
+                flats = [_flatten(t) for t in trees]
+                return traverse_util.unflatten_dict(
+                    {p: fn(axes[p], *(f[p] for f in flats)) for p in flats[0]}
+                )
+
+            return apply
+
+        stack_ops: dict[Path, StackOps] = {}
         for stack in pl.stacks:
-            inner = {
-                path[len(stack) :]: gather_fn(leaf, stacked=True)
-                for path, leaf in pl.leaves.items()
-                if path[: len(stack)] == stack
-            }
-
-            def gather_layer(layer_params: Any, layer_sinks: Any, inner: dict[Path, Any] = inner) -> Any:
-                blocks, sinks = _flatten(layer_params), _flatten(layer_sinks)
-                return traverse_util.unflatten_dict({p: inner[p](blocks[p], sinks[p]) for p in blocks})
-
-            stack_gathers[stack] = gather_layer
+            inner = {p[len(stack) :]: leaf for p, leaf in pl.leaves.items() if p[: len(stack)] == stack}
+            axes = {p: leaf_axes(leaf, stacked=True) for p, leaf in inner.items()}
+            gathers = {p: gather_fn(leaf, stacked=True) for p, leaf in inner.items()}
+            stack_ops[stack] = StackOps(
+                gather_with_sink=per_leaf(lambda g, block, sink: g(block, sink), gathers),
+                gather=per_leaf(lambda a, block: collectives.gather_weights(layout, block, a[0], a[2]), axes),
+                reduce=per_leaf(
+                    lambda a, grad: collectives.reduce_gradient(layout, grad, a[1], a[2], reduce_dtype), axes
+                ),
+            )
         top_gathers = {p: gather_fn(leaf, False) for p, leaf in pl.leaves.items() if pl.stack_of(p) is None}
 
         def micro_loss(
@@ -266,7 +273,7 @@ class Trainer:
                 )
                 for stack in pl.stacks
             }
-            context = LayerContext(stack_gathers, stack_sinks, policy, remat)
+            context = LayerContext(stack_ops, stack_sinks, policy, remat, prefetch=plan.remat == "full")
             with layer_context(context):
                 loss = self.loss_fn(traverse_util.unflatten_dict(tree), micro_batch)
             return loss.astype(jnp.float32)
