@@ -1,0 +1,236 @@
+"""Cluster hardware from `configs/clusters/*.yaml`: memory, compute and collective bandwidth tables.
+
+A cluster config says what one device can hold and compute, and how fast each collective kind runs
+inside a node and across nodes. Bandwidths are nccl-tests *bus* bandwidths, indexed by the bytes one
+device sends in one collective — exactly what `amsp_jax.cost` counts per execution — so the time of
+a collective is simply `bytes_per_device / busbw(bytes_per_device)` (nccl-tests PERFORMANCE.md: for a
+ring all-gather or reduce-scatter busbw = algbw·(n−1)/n, and the per-device ring bytes are
+S·(n−1)/n, so S/algbw = bytes/busbw; for all-reduce both carry 2(n−1)/n). Between table sizes the
+bandwidth is interpolated linearly in log-size; below the smallest size a collective costs what the
+smallest one costs (latency-bound), above the largest the bandwidth stays flat.
+
+Schema (every number carries its source in a comment in the YAML file):
+
+    name: a800-8x-ib800
+    nodes: 128                    # default node count; callers may override
+    devices_per_node: 8
+    collective_min_itemsize: 1    # optional; 4 where 16-bit collectives run in fp32 (XLA:CPU)
+    device: {name, memory_bytes, usable_memory_fraction, peak_flops, compute_efficiency,
+             hbm_bandwidth}
+    overlap: {reduction_fraction, interference}
+    bandwidth:
+      all-gather | reduce-scatter | all-reduce:
+        intra | inter: [[SIZE, GB_PER_S], ...]    # SIZE: bytes, or e.g. "1MiB"
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from amsp_jax.space import Cluster
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+LEVELS = ("intra", "inter")
+GB = 1e9
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+    "KB": 1e3,
+    "MB": 1e6,
+    "GB": 1e9,
+}
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "clusters"
+
+
+class ClusterConfigError(ValueError):
+    """A cluster YAML that is missing something or holds a value that cannot be right."""
+
+
+def parse_size(value: int | float | str) -> float:
+    """Bytes from `4096`, `"64KiB"`, `"1 MiB"`, `"1.5GiB"` or `"1e6"`."""
+    if isinstance(value, int | float):
+        return float(value)
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([KMGT]i?B|B)?\s*", str(value), flags=re.IGNORECASE)
+    if not match:
+        raise ClusterConfigError(f"size {value!r} is not a number of bytes such as 65536 or '64KiB'")
+    return float(match.group(1)) * _UNITS[(match.group(2) or "").upper()]
+
+
+def format_size(size: float) -> str:
+    """`1048576` → `"1MiB"`; sizes that are no power-of-1024 multiple stay plain numbers."""
+    for unit in ("GiB", "MiB", "KiB"):
+        scale = _UNITS[unit.upper()]
+        if size >= scale and size % scale == 0:
+            return f"{int(size // scale)}{unit}"
+    return str(int(size))
+
+
+@dataclasses.dataclass(frozen=True)
+class BandwidthTable:
+    """Bus bandwidth (bytes/s) at increasing message sizes (bytes one device sends in one collective)."""
+
+    sizes: tuple[float, ...]
+    busbw: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.sizes or len(self.sizes) != len(self.busbw):
+            raise ClusterConfigError("a bandwidth table needs one or more [size, GB/s] rows")
+        if any(b <= a for a, b in zip(self.sizes, self.sizes[1:], strict=False)):
+            raise ClusterConfigError(f"bandwidth table sizes must increase, got {self.sizes}")
+        if min(self.sizes) <= 0 or min(self.busbw) <= 0:
+            raise ClusterConfigError("bandwidth table sizes and bandwidths must be positive")
+
+    def at(self, size: float) -> float:
+        """Bus bandwidth for a collective in which one device sends `size` bytes."""
+        if size <= self.sizes[0]:
+            # Latency-bound below the smallest measured size: the collective costs what that one costs.
+            return self.busbw[0] * size / self.sizes[0]
+        if size >= self.sizes[-1]:
+            return self.busbw[-1]
+        i = bisect.bisect_right(self.sizes, size)
+        lo, hi = self.sizes[i - 1], self.sizes[i]
+        w = (math.log(size) - math.log(lo)) / (math.log(hi) - math.log(lo))
+        return self.busbw[i - 1] + w * (self.busbw[i] - self.busbw[i - 1])
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Sequence[Any]], where: str) -> BandwidthTable:
+        """From YAML rows `[size, GB/s]`."""
+        try:
+            pairs = sorted((parse_size(size), float(gbps) * GB) for size, gbps in rows)
+        except (TypeError, ValueError) as error:
+            raise ClusterConfigError(f"{where}: rows must be [size, GB/s] pairs ({error})") from error
+        return cls(tuple(s for s, _ in pairs), tuple(b for _, b in pairs))
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """The hardware of a cluster: per-device memory and compute, and collective bandwidth tables."""
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    memory_bytes: float
+    usable_memory_fraction: float
+    peak_flops: float
+    compute_efficiency: float
+    hbm_bandwidth: float
+    reduction_overlap: float
+    overlap_interference: float
+    bandwidth: Mapping[tuple[str, str], BandwidthTable]
+    collective_min_itemsize: int = 1
+    device_name: str = ""
+
+    @property
+    def memory_limit(self) -> float:
+        """Bytes a plan may use per device."""
+        return self.memory_bytes * self.usable_memory_fraction
+
+    @property
+    def sustained_flops(self) -> float:
+        """FLOP/s one device sustains on the model's compute."""
+        return self.peak_flops * self.compute_efficiency
+
+    def cluster(self, nodes: int | None = None) -> Cluster:
+        """The partition-space cluster of `nodes` (default: the config's) nodes."""
+        return Cluster(nodes or self.nodes, self.devices_per_node, self.name)
+
+    def with_shape(self, nodes: int, devices_per_node: int | None = None) -> ClusterConfig:
+        """The same hardware with another node count (and, for simulated clusters, devices per node)."""
+        return dataclasses.replace(
+            self, nodes=nodes, devices_per_node=devices_per_node or self.devices_per_node
+        )
+
+    def busbw(self, kind: str, level: str, size: float) -> float:
+        """Bus bandwidth (bytes/s) of a `kind` collective at `level` where one device sends `size` bytes."""
+        table = self.bandwidth.get((kind, level))
+        if table is None:
+            raise ClusterConfigError(f"cluster {self.name!r} has no bandwidth table for {kind} {level}")
+        return table.at(size)
+
+    def collective_time(self, kind: str, level: str, size: int, executions: int) -> float:
+        """Seconds for `executions` collectives that move `size` bytes per device in all."""
+        if size <= 0 or executions <= 0:
+            return 0.0
+        return size / self.busbw(kind, level, size / executions)
+
+
+def _number(section: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
+    value = section.get(key, default)
+    if value is None:
+        raise ClusterConfigError(f"{where}: missing {key!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError) as error:
+        raise ClusterConfigError(f"{where}: {key} = {value!r} is not a number") from error
+    if number <= 0:
+        raise ClusterConfigError(f"{where}: {key} must be positive, got {number}")
+    return number
+
+
+def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> ClusterConfig:
+    """A `ClusterConfig` from the parsed YAML mapping."""
+    device = values.get("device") or {}
+    overlap = values.get("overlap") or {}
+    tables: dict[tuple[str, str], BandwidthTable] = {}
+    for kind, levels in (values.get("bandwidth") or {}).items():
+        if kind not in KINDS:
+            raise ClusterConfigError(f"{where}: unknown collective kind {kind!r}; use {KINDS}")
+        for level, rows in (levels or {}).items():
+            if level not in LEVELS:
+                raise ClusterConfigError(f"{where}: unknown level {level!r} under {kind}; use {LEVELS}")
+            tables[(kind, level)] = BandwidthTable.from_rows(rows, f"{where}: bandwidth.{kind}.{level}")
+    missing = [f"{k}.{lv}" for k in KINDS for lv in LEVELS if (k, lv) not in tables]
+    if missing:
+        raise ClusterConfigError(f"{where}: no bandwidth table for {', '.join(missing)}")
+    fraction = float(overlap.get("reduction_fraction", 0.5))
+    interference = float(overlap.get("interference", 0.0))
+    if not (0 <= fraction <= 1 and 0 <= interference <= 1):
+        raise ClusterConfigError(f"{where}: overlap fractions must lie in [0, 1], got {dict(overlap)}")
+    return ClusterConfig(
+        name=str(values.get("name", "cluster")),
+        nodes=int(_number(values, "nodes", where)),
+        devices_per_node=int(_number(values, "devices_per_node", where)),
+        memory_bytes=_number(device, "memory_bytes", f"{where}: device"),
+        usable_memory_fraction=min(1.0, _number(device, "usable_memory_fraction", f"{where}: device", 1.0)),
+        peak_flops=_number(device, "peak_flops", f"{where}: device"),
+        compute_efficiency=min(1.0, _number(device, "compute_efficiency", f"{where}: device", 1.0)),
+        hbm_bandwidth=_number(device, "hbm_bandwidth", f"{where}: device"),
+        reduction_overlap=fraction,
+        overlap_interference=interference,
+        bandwidth=tables,
+        collective_min_itemsize=int(values.get("collective_min_itemsize", 1)),
+        device_name=str(device.get("name", "")),
+    )
+
+
+def load(path: str | Path) -> ClusterConfig:
+    """Read a cluster YAML; a bare name (`a800-8x-ib800`) is looked up in `configs/clusters/`."""
+    path = Path(path)
+    if not path.exists() and path.suffix == "" and (CONFIG_DIR / f"{path}.yaml").exists():
+        path = CONFIG_DIR / f"{path}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+        raise ClusterConfigError(f"cluster config {path} does not exist; known in {CONFIG_DIR}: {known}")
+    values = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(values, dict):
+        raise ClusterConfigError(f"{path} is not a mapping")
+    return from_dict(values, str(path))
+
+
+def for_cluster(cluster: Cluster) -> ClusterConfig:
+    """Hardware for a bare `Cluster`: `configs/clusters/<name>.yaml` if it exists, else `cpu-sim.yaml`."""
+    named = CONFIG_DIR / f"{cluster.name}.yaml"
+    config = load(named if named.is_file() else CONFIG_DIR / "cpu-sim.yaml")
+    return config.with_shape(cluster.nodes, cluster.devices_per_node)

@@ -1,0 +1,152 @@
+"""`amsp-jax plan`: the fastest strategy that fits, beside the usual presets, with time, memory and bytes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from amsp_jax.cluster_config import ClusterConfigError
+from amsp_jax.partitioner import (
+    GIB,
+    Evaluated,
+    PlanError,
+    alternatives,
+    best_batching,
+    build_terms,
+    evaluate,
+    make_request,
+    plan,
+)
+from amsp_jax.plan import REMAT_POLICIES
+from amsp_jax.space import StrategyError, resolve
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `plan` subcommand's flags."""
+    parser.add_argument("--model", required=True, help="model YAML, e.g. configs/models/llama-7b.yaml")
+    parser.add_argument(
+        "--cluster", required=True, help="cluster YAML, e.g. configs/clusters/a800-8x-ib800.yaml"
+    )
+    parser.add_argument("--nodes", type=int, help="number of nodes (default: the cluster config's)")
+    parser.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    parser.add_argument("--global-batch-tokens", type=int, required=True, help="tokens per optimizer step")
+    parser.add_argument(
+        "--strategy", help="evaluate this strategy (e.g. p=1x1,g=1x1,os=8x1, or zero3) instead"
+    )
+    parser.add_argument(
+        "--micro-batch-size", type=int, help="fix the micro-batch size instead of searching it"
+    )
+    parser.add_argument(
+        "--remat", choices=REMAT_POLICIES, help="fix the remat policy instead of searching it"
+    )
+    parser.add_argument("--precision", default="mixed", choices=("mixed", "fp32"), help="default: mixed")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _row(e: Evaluated) -> list[str]:
+    t, levels = e.estimate.time, e.estimate.prediction.bytes_by_level()
+    return [
+        e.name,
+        e.description,
+        str(e.micro_batch_size),
+        str(e.micro_batches),
+        e.remat,
+        f"{t.step_s:.3f}",
+        f"{100 * t.mfu:.1f}%",
+        f"{t.tokens_per_s(e.devices):,.0f}",
+        f"{e.memory_bytes / GIB:.1f}" + ("" if e.feasible else " !"),
+        f"{levels['intra'] / 1e9:.2f}",
+        f"{levels['inter'] / 1e9:.2f}",
+    ]
+
+
+HEADER = [
+    "name",
+    "strategy",
+    "b",
+    "M",
+    "remat",
+    "step s",
+    "MFU",
+    "tokens/s",
+    "GiB/dev",
+    "intra GB",
+    "inter GB",
+]
+
+
+def format_table(rows: list[list[str]]) -> str:
+    """Columns padded to their widest cell."""
+    widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in [HEADER, *rows]
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan (or evaluate `--strategy`), print the chosen plan beside the presets; 2 when nothing fits."""
+    try:
+        request = make_request(
+            args.model,
+            args.cluster,
+            args.nodes,
+            seq_len=args.seq_len,
+            global_batch_tokens=args.global_batch_tokens,
+            precision=args.precision,
+            micro_batch_size=args.micro_batch_size,
+            remat=args.remat,
+        )
+        start = time.perf_counter()
+        terms = build_terms(request)
+        if args.strategy:
+            strategy = resolve(args.strategy, request.cluster.cluster())
+            c = best_batching(terms, strategy)
+            chosen = evaluate(request, strategy, c.micro_batch_size, c.remat)
+        else:
+            chosen = plan(request, terms)
+        solve_time = time.perf_counter() - start
+        rows = alternatives(terms)
+    except (PlanError, StrategyError, ClusterConfigError, FileNotFoundError) as error:
+        print(f"amsp-jax plan: {error}", file=sys.stderr)
+        return 2
+
+    hardware = request.cluster
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "cluster": hardware.name,
+                    "nodes": hardware.nodes,
+                    "devices_per_node": hardware.devices_per_node,
+                    "seq_len": request.seq_len,
+                    "global_batch_tokens": request.global_batch_tokens,
+                    "memory_limit_bytes": hardware.memory_limit,
+                    "solve_time_s": solve_time,
+                    "chosen": chosen.as_dict(),
+                    "alternatives": [r.as_dict() for r in rows],
+                },
+                indent=2,
+            )
+        )
+    else:
+        what = "evaluated --strategy" if args.strategy else "chosen by the ILP"
+        print(
+            f"{request.model.name} ({request.model.num_params() / 1e9:.2f}B params) on {hardware.name}: "
+            f"{hardware.nodes} nodes x {hardware.devices_per_node} = {request.devices} devices, seq "
+            f"{request.seq_len}, {request.global_batch_tokens:,} tokens per step "
+            f"({request.sequences_per_device()} sequence(s) per device)"
+        )
+        print(
+            f"memory per device: {hardware.memory_limit / GIB:.1f} GiB usable; 'chosen' {what} in "
+            f"{solve_time:.2f} s"
+        )
+        print()
+        print(format_table([_row(chosen), *(_row(r) for r in rows)]))
+        for r in [chosen, *rows]:
+            if not r.feasible:
+                print(f"  ! {r.name}: {r.reason}")
+    return 0 if chosen.feasible else 1

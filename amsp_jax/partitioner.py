@@ -1,0 +1,812 @@
+"""The scale-aware partitioner: the fastest P/G/OS placement, micro-batch size and remat policy that fits.
+
+`choose(model, cluster, nodes, seq_len=..., global_batch_tokens=...)` is the entry point. It builds
+the *decomposed* time and memory model (`Terms`), solves an ILP over it (pulp, CBC), and re-evaluates
+the winner with the full cost and time models (`amsp_jax.cost`, `amsp_jax.timing`).
+
+Why the decomposition is exact. Under the whole-node rule every component's collectives run over
+one intra-node run of `intra` devices and one inter-node run of `inter` nodes, so each phase's bytes
+depend only on the placements of the components it moves between — except for one coupling: a leaf
+is split at all only if some dimension divides the largest group's degree (`sharding.leaf_layout`).
+The largest group contains the others, so the set of split leaves is the smallest of the three
+components' *profiles* (the leaves their own degree would split). With π that profile, the step is
+
+    P terms (p, π)     forward gathers, backward re-gathers, other-leaf gathers; P and gathered memory
+    G terms (g, π)     per-micro-batch reduce-scatters; G memory (and the same again as temporaries)
+    OS terms (o, π)    master and moments memory (master again as the update's temporary); update time
+    pair (g, o, π)     the once-per-step reduction onto OS
+    pair (p, o, π)     the P refresh from the new master
+    (b, r)             compute, activations; the per-micro-batch terms scale with M = n / b
+
+and `timing.combine` turns them into a step time with max(0, ·) per overlap window. The ILP has one
+binary per (component, placement), per micro-batch size and per remat policy, one per profile, and
+continuous product variables z for (component, placement, profile), (G, OS, profile),
+(P, OS, profile) and (b, r) tied to the binaries by assignment constraints (exact for one-hot
+groups); each max(0, ·) is a continuous variable bounded below by the window's expression (big-M
+where the expression depends on b or r), exact at the optimum. Valid combinations of placements are
+enforced by the existence of the pair variables (nesting of G/OS and P/OS) and a linear constraint
+for P/G. `brute_force` enumerates every valid combination of the same `Terms`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pulp
+
+from amsp_jax import timing
+from amsp_jax.cluster_config import ClusterConfig, for_cluster
+from amsp_jax.cluster_config import load as load_cluster
+from amsp_jax.cost import Transfer, Workload, leaf_transfers, llama_workload, memory
+from amsp_jax.models.llama import LlamaConfig
+from amsp_jax.plan import REMAT_POLICIES, Precision
+from amsp_jax.sharding import plan_axes, shard_dim
+from amsp_jax.space import Cluster, Placement, Strategy, preset
+
+GIB = 2**30
+
+
+class PlanError(ValueError):
+    """A request no plan can serve: nothing fits, or the batch does not divide over the devices."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What to plan: a model on a cluster, with the step's sequence length, batch and the knobs to search."""
+
+    model: LlamaConfig
+    cluster: ClusterConfig
+    seq_len: int
+    global_batch_tokens: int
+    precision: Precision = dataclasses.field(default_factory=Precision)
+    micro_batch_sizes: tuple[int, ...] | None = None
+    remats: tuple[str, ...] = REMAT_POLICIES
+
+    @property
+    def devices(self) -> int:
+        """Devices of the cluster."""
+        return self.cluster.nodes * self.cluster.devices_per_node
+
+    def sequences_per_device(self) -> int:
+        """Sequences each device processes per step; raises PlanError when the batch does not divide."""
+        if self.global_batch_tokens % self.seq_len:
+            raise PlanError(
+                f"the global batch of {self.global_batch_tokens} tokens is not a whole number of "
+                f"{self.seq_len}-token sequences"
+            )
+        sequences = self.global_batch_tokens // self.seq_len
+        if sequences % self.devices:
+            smallest = self.devices * self.seq_len
+            raise PlanError(
+                f"{sequences} sequences per step do not divide over {self.devices} devices (data "
+                f"parallelism gives each device whole sequences); use a global batch that is a multiple "
+                f"of {smallest} tokens, e.g. {max(1, -(-self.global_batch_tokens // smallest)) * smallest}"
+            )
+        return sequences // self.devices
+
+    def batchings(self) -> list[tuple[int, int]]:
+        """(micro-batch size, micro-batches) pairs with b × M = sequences per device."""
+        per_device = self.sequences_per_device()
+        sizes = [b for b in range(1, per_device + 1) if per_device % b == 0]
+        if self.micro_batch_sizes is not None:
+            wrong = [b for b in self.micro_batch_sizes if b not in sizes]
+            if wrong:
+                raise PlanError(
+                    f"micro-batch size(s) {wrong} do not divide the {per_device} sequences per device"
+                )
+            sizes = [b for b in sizes if b in self.micro_batch_sizes]
+        return [(b, per_device // b) for b in sizes]
+
+    def workload(self, micro_batch_size: int = 1, micro_batches: int = 1, remat: str = "full") -> Workload:
+        """The cost model's workload for one choice of batching and remat on this cluster's hardware."""
+        w = llama_workload(self.model, self.seq_len, micro_batch_size, micro_batches, self.precision, remat)
+        return w.with_(min_collective_itemsize=self.cluster.collective_min_itemsize)
+
+
+def placements(cluster: Cluster) -> list[Placement]:
+    """Every placement that keeps whole nodes across nodes: (k, 1) for k | R, and (R, k) for k | N."""
+    r, n = cluster.devices_per_node, cluster.nodes
+    found = [Placement(k, 1) for k in range(1, r + 1) if r % k == 0]
+    return found + [Placement(r, k) for k in range(2, n + 1) if n % k == 0]
+
+
+def _nested(a: Placement, b: Placement) -> bool:
+    return a.contains(b) or b.contains(a)
+
+
+def _top(*items: Placement) -> Placement:
+    return max(items, key=lambda q: q.degree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One point of the search: placements of P, G, OS, the micro-batch size and the remat policy."""
+
+    strategy: Strategy
+    micro_batch_size: int
+    remat: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Terms:
+    """The decomposed model: every step-time and memory term, keyed by what it depends on.
+
+    Times are seconds of one micro-batch's worth (`per micro-batch` groups) or of the step; memories
+    are bytes per device; π is an index into `profiles`.
+    """
+
+    request: Request
+    placements: tuple[Placement, ...]
+    profiles: tuple[frozenset[int], ...]
+    profile_of: dict[Placement, int]
+    possible: frozenset[tuple[Placement, int]]
+    batchings: tuple[tuple[int, int], ...]
+    remats: tuple[str, ...]
+    p_time: dict[tuple[Placement, int], dict[str, float]]
+    g_time: dict[tuple[Placement, int], dict[str, float]]
+    reduction: dict[tuple[Placement, Placement, int], float]
+    refresh: dict[tuple[Placement, Placement, int], float]
+    optimizer: dict[tuple[Placement, int], float]
+    p_memory: dict[tuple[Placement, int, str], float]
+    g_memory: dict[tuple[Placement, int], float]
+    os_memory: dict[tuple[Placement, int], float]
+    activations: dict[tuple[int, str], float]
+    compute: dict[tuple[int, str], timing.Compute]
+    memory_limit: float
+
+    def profile(self, strategy: Strategy) -> int:
+        """π: the profile of the largest group (the smallest of the three components' profiles)."""
+        return self.profile_of[_top(strategy.params, strategy.grads, strategy.opt_state)]
+
+    def covers(self, strategy: Strategy) -> bool:
+        """Whether every placement of `strategy` is one the tables hold."""
+        return all(q in self.profile_of for q in (strategy.params, strategy.grads, strategy.opt_state))
+
+    def communication(
+        self, strategy: Strategy, micro_batch_size: int, remat: str, regather: Placement | None = None
+    ) -> dict[str, float]:
+        """Seconds of each overlap group; `regather` runs the backward gather from another P copy."""
+        p, g, o = strategy.params, strategy.grads, strategy.opt_state
+        pi = self.profile(strategy)
+        m = dict(self.batchings)[micro_batch_size]
+        pt, gt = self.p_time[(p, pi)], self.g_time[(g, pi)]
+        backward = self.p_time[(regather or p, pi)][timing.BACKWARD_GATHER] if remat != "none" else 0.0
+        return {
+            timing.FORWARD_GATHER: m * pt[timing.FORWARD_GATHER],
+            timing.BACKWARD_GATHER: m * backward,
+            timing.LAYER_GRADS: m * gt[timing.LAYER_GRADS],
+            timing.OTHER_GRADS: m * gt[timing.OTHER_GRADS],
+            timing.OTHER_GATHER: pt[timing.OTHER_GATHER],
+            timing.REFRESH: self.refresh[(p, o, pi)],
+            timing.REDUCTION: self.reduction[(g, o, pi)],
+        }
+
+    def step_time(self, choice: Choice, regather: Placement | None = None) -> timing.StepTime:
+        """The step time of `choice` by the decomposed model."""
+        s, b, r = choice.strategy, choice.micro_batch_size, choice.remat
+        m = dict(self.batchings)[b]
+        return timing.combine(
+            self.communication(s, b, r, regather),
+            self.compute[(b, r)],
+            self.optimizer[(s.opt_state, self.profile(s))],
+            self.request.workload(b, m, r),
+            self.request.cluster,
+        )
+
+    def memory(self, choice: Choice, extra_params: Placement | None = None) -> float:
+        """Bytes per device of `choice`; `extra_params` adds a second P copy of that placement."""
+        s, b, r = choice.strategy, choice.micro_batch_size, choice.remat
+        pi = self.profile(s)
+        total = (
+            self.p_memory[(s.params, pi, r)]
+            + self.g_memory[(s.grads, pi)]
+            + self.os_memory[(s.opt_state, pi)]
+            + self.activations[(b, r)]
+        )
+        if extra_params is not None:
+            total += self.p_memory[(extra_params, pi, "params only")]
+        return total
+
+
+def _merge_time(parts: Iterable[tuple[int, Transfer]], group: str, cluster: ClusterConfig) -> float:
+    return sum(
+        cluster.collective_time(t.kind, t.level, t.bytes, t.executions)
+        for t in timing.merge(list(parts), group)
+    )
+
+
+def build_terms(request: Request) -> Terms:
+    """Evaluate the cost model on probe strategies and tabulate every term of the decomposed model."""
+    cluster = request.cluster.cluster()
+    hardware = request.cluster
+    qs = placements(cluster)
+    base = request.workload()
+    leaves = timing.distinct_leaves(base)
+
+    def profile_set(q: Placement) -> frozenset[int]:
+        # Degree 1 splits nothing, but a whole leaf is also its own block: count it as splitting every
+        # leaf, which keeps profiles shrinking as groups grow (and the probes of DDP are the same).
+        return frozenset(
+            i
+            for i, (leaf, _) in enumerate(leaves)
+            if q.degree == 1 or shard_dim(leaf.shape, q.degree, leaf.stacked) is not None
+        )
+
+    sets = {q: profile_set(q) for q in qs}
+    profiles = tuple(sorted(set(sets.values()), key=lambda s: (-len(s), sorted(s))))
+    profile_of = {q: profiles.index(sets[q]) for q in qs}
+    # (x, π) is possible when some group containing x (x itself included) splits exactly profile π.
+    holder: dict[tuple[Placement, int], Placement] = {}
+    for x in qs:
+        for t in sorted((t for t in qs if t.contains(x)), key=lambda t: t.degree):
+            holder.setdefault((x, profile_of[t]), t)
+    possible = frozenset(holder)
+
+    # Per-leaf transfers when split, from probes Strategy(x, x, o); and when not split, from DDP.
+    per_leaf: dict[tuple[Placement, Placement], list[dict[str, list[tuple[int, Transfer]]]]] = {}
+
+    def probe(x: Placement, o: Placement) -> list[dict[str, list[tuple[int, Transfer]]]]:
+        if (x, o) not in per_leaf:
+            axes = plan_axes(cluster, Strategy(x, x, o))
+            found = []
+            for leaf, count in leaves:
+                groups: dict[str, list[tuple[int, Transfer]]] = {}
+                for t in leaf_transfers(axes, base, leaf):
+                    groups.setdefault(timing.group_of(t.phase, leaf.stacked), []).append((count, t))
+                found.append(groups)
+            per_leaf[(x, o)] = found
+        return per_leaf[(x, o)]
+
+    one = Placement(1, 1)
+    unsplit = probe(one, one)
+
+    def group_time(group: str, x: Placement, o: Placement, pi: int) -> float:
+        split = probe(x, o)
+        parts = itertools.chain.from_iterable(
+            (split[i] if i in profiles[pi] else unsplit[i]).get(group, ()) for i in range(len(leaves))
+        )
+        return _merge_time(parts, group, hardware)
+
+    p_time, g_time = {}, {}
+    for x, pi in possible:
+        p_time[(x, pi)] = {
+            g: group_time(g, x, x, pi)
+            for g in (timing.FORWARD_GATHER, timing.BACKWARD_GATHER, timing.OTHER_GATHER)
+        }
+        g_time[(x, pi)] = {g: group_time(g, x, x, pi) for g in (timing.LAYER_GRADS, timing.OTHER_GRADS)}
+    reduction, refresh = {}, {}
+    for a, o in itertools.product(qs, qs):
+        if not _nested(a, o):
+            continue
+        for pi in range(len(profiles)):
+            if (_top(a, o), pi) in possible:
+                reduction[(a, o, pi)] = group_time(timing.REDUCTION, a, o, pi)
+                refresh[(a, o, pi)] = group_time(timing.REFRESH, a, o, pi)
+
+    # Memory: Memory fields of probes whose largest group has profile π.
+    remats = tuple(r for r in REMAT_POLICIES if r in request.remats)
+    p_memory: dict[tuple[Placement, int, str], float] = {}
+    g_memory, os_memory, optimizer = {}, {}, {}
+    workloads = {r: request.workload(remat=r) for r in remats}
+    for (x, pi), t in holder.items():
+        as_p = {r: memory(plan_axes(cluster, Strategy(x, x, t)), workloads[r]) for r in remats}
+        for r, mem in as_p.items():
+            p_memory[(x, pi, r)] = float(mem.params + mem.gathered)
+        first = as_p[remats[0]]
+        p_memory[(x, pi, "params only")] = float(first.params)
+        g_memory[(x, pi)] = float(2 * first.grads)  # the accumulator, and one micro-batch's gradient
+        as_os = memory(plan_axes(cluster, Strategy(t, t, x)), workloads[remats[0]])
+        os_memory[(x, pi)] = float(2 * as_os.master + as_os.opt_state)  # master, moments, the update
+        optimizer[(x, pi)] = timing.optimizer_time(as_os, base.precision.param_bytes, hardware)
+
+    batchings = tuple(request.batchings())
+    activations, compute = {}, {}
+    ddp_axes = plan_axes(cluster, Strategy(one, one, one))
+    for (b, m), r in itertools.product(batchings, remats):
+        w = request.workload(b, m, r)
+        activations[(b, r)] = float(memory(ddp_axes, w).activations)
+        compute[(b, r)] = timing.compute_times(w, hardware)
+    return Terms(
+        request=request,
+        placements=tuple(qs),
+        profiles=profiles,
+        profile_of=profile_of,
+        possible=possible,
+        batchings=batchings,
+        remats=remats,
+        p_time=p_time,
+        g_time=g_time,
+        reduction=reduction,
+        refresh=refresh,
+        optimizer=optimizer,
+        p_memory=p_memory,
+        g_memory=g_memory,
+        os_memory=os_memory,
+        activations=activations,
+        compute=compute,
+        memory_limit=hardware.memory_limit,
+    )
+
+
+def valid_strategies(terms: Terms) -> Iterator[Strategy]:
+    """Every strategy over the tabulated placements whose three groups nest pairwise."""
+    for p, g, o in itertools.product(terms.placements, repeat=3):
+        if _nested(p, g) and _nested(p, o) and _nested(g, o):
+            yield Strategy(p, g, o)
+
+
+@dataclasses.dataclass(frozen=True)
+class Solution:
+    """The optimum of the decomposed model: the choice, its step time and memory, and how long it took."""
+
+    choice: Choice
+    step_s: float
+    memory_bytes: float
+    solve_time_s: float
+    objective_s: float | None = None
+
+
+def brute_force(terms: Terms) -> Solution | None:
+    """The fastest choice that fits, by enumerating every valid combination of the decomposed model."""
+    start = time.perf_counter()
+    best: tuple[float, Choice, float] | None = None
+    for strategy in valid_strategies(terms):
+        for (b, _), r in itertools.product(terms.batchings, terms.remats):
+            choice = Choice(strategy, b, r)
+            mem = terms.memory(choice)
+            if mem > terms.memory_limit:
+                continue
+            step = terms.step_time(choice).step_s
+            if best is None or step < best[0]:
+                best = (step, choice, mem)
+    if best is None:
+        return None
+    return Solution(best[1], best[0], best[2], time.perf_counter() - start)
+
+
+def smallest_memory(terms: Terms) -> tuple[float, Choice]:
+    """The least memory any valid choice needs, and that choice."""
+    return min(
+        (
+            (terms.memory(Choice(s, b, r)), Choice(s, b, r))
+            for s in valid_strategies(terms)
+            for (b, _), r in itertools.product(terms.batchings, terms.remats)
+        ),
+        key=lambda item: item[0],
+    )
+
+
+COMPONENTS = ("P", "G", "OS")
+
+
+# pulp 3.x deprecates these spellings for 4.0, but its bundled CBC (the only solver it installs) needs them.
+_PULP_DEPRECATIONS = ("Constructing LpVariable", "PULP_CBC_CMD is deprecated")
+
+
+def solve(terms: Terms, fixed: Choice | None = None) -> Solution | None:
+    """The fastest choice that fits, by the ILP over the decomposed model (None when nothing fits).
+
+    `fixed` pins every binary to one choice, so the ILP's objective can be checked against the model.
+    """
+    with warnings.catch_warnings():
+        for message in _PULP_DEPRECATIONS:
+            warnings.filterwarnings("ignore", message=message, category=DeprecationWarning)
+        return _solve(terms, fixed)
+
+
+def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
+    start = time.perf_counter()
+    qs, pis = terms.placements, range(len(terms.profiles))
+    prob = pulp.LpProblem("amsp_plan", pulp.LpMinimize)
+    x = {(c, q): pulp.LpVariable(f"x_{c}_{q}", cat="Binary") for c in COMPONENTS for q in qs}
+    u = {pi: pulp.LpVariable(f"u_{pi}", cat="Binary") for pi in pis}
+    mb = {b: pulp.LpVariable(f"m_{b}", cat="Binary") for b, _ in terms.batchings}
+    rho = {r: pulp.LpVariable(f"r_{r}", cat="Binary") for r in terms.remats}
+
+    def product(name: str) -> pulp.LpVariable:
+        return pulp.LpVariable(name, lowBound=0, upBound=1)
+
+    z = {(c, q, pi): product(f"z_{c}_{q}_{pi}") for c in COMPONENTS for q, pi in terms.possible}
+    z_red = {k: product(f"zr_{k[0]}_{k[1]}_{k[2]}") for k in terms.reduction}
+    z_ref = {k: product(f"zf_{k[0]}_{k[1]}_{k[2]}") for k in terms.refresh}
+    w = {(b, r): product(f"w_{b}_{r}") for (b, _), r in itertools.product(terms.batchings, terms.remats)}
+
+    def total(items: Iterable[pulp.LpAffineExpression | pulp.LpVariable]) -> pulp.LpAffineExpression:
+        return pulp.lpSum(list(items))
+
+    for c in COMPONENTS:
+        prob += total(x[(c, q)] for q in qs) == 1
+        for q in qs:
+            prob += total(z[(c, q, pi)] for pi in pis if (q, pi) in terms.possible) == x[(c, q)]
+        for pi in pis:
+            prob += total(z[(c, q, pi)] for q in qs if (q, pi) in terms.possible) == u[pi]
+    prob += total(mb.values()) == 1
+    prob += total(rho.values()) == 1
+    for b, _ in terms.batchings:
+        prob += total(w[(b, r)] for r in terms.remats) == mb[b]
+    for r in terms.remats:
+        prob += total(w[(b, r)] for b, _ in terms.batchings) == rho[r]
+    # Pair variables exist only for nested pairs, so these also forbid non-nested G/OS and P/OS.
+    for first, table in (("G", z_red), ("P", z_ref)):
+        for q in qs:
+            prob += total(v for (a, _, _), v in table.items() if a == q) == x[(first, q)]
+            prob += total(v for (_, o, _), v in table.items() if o == q) == x[("OS", q)]
+        for pi in pis:
+            prob += total(v for (_, _, k), v in table.items() if k == pi) == u[pi]
+    for a, b in itertools.product(qs, qs):
+        if not _nested(a, b):
+            prob += x[("P", a)] + x[("G", b)] <= 1
+    # π is the profile of the largest group: every component splits at least π, one exactly π.
+    profile_sets = [terms.profiles[terms.profile_of[q]] for q in qs]
+    for pi in pis:
+        for c in COMPONENTS:
+            prob += u[pi] <= total(
+                x[(c, q)] for q, s in zip(qs, profile_sets, strict=True) if s >= terms.profiles[pi]
+            )
+        prob += u[pi] <= total(x[(c, q)] for c in COMPONENTS for q in qs if terms.profile_of[q] == pi)
+
+    # Memory (GiB, for the solver's tolerances), remat-dependent P memory through z·ρ products.
+    base_r = terms.remats[0]
+    mem = total(terms.p_memory[(q, pi, base_r)] / GIB * z[("P", q, pi)] for q, pi in terms.possible)
+    mem += total(terms.g_memory[(q, pi)] / GIB * z[("G", q, pi)] for q, pi in terms.possible)
+    mem += total(terms.os_memory[(q, pi)] / GIB * z[("OS", q, pi)] for q, pi in terms.possible)
+    mem += total(terms.activations[k] / GIB * w[k] for k in w)
+    for r in terms.remats[1:]:
+        for q, pi in terms.possible:
+            extra = (terms.p_memory[(q, pi, r)] - terms.p_memory[(q, pi, base_r)]) / GIB
+            if extra:
+                v = product(f"v_{r}_{q}_{pi}")
+                prob += v >= z[("P", q, pi)] + rho[r] - 1
+                prob += v <= z[("P", q, pi)]
+                prob += v <= rho[r]
+                mem += extra * v
+    if math.isfinite(terms.memory_limit):
+        prob += mem <= terms.memory_limit / GIB
+
+    # Step time: compute + optimizer + one exposed-time variable per overlap window, bounded below by
+    # both arms of `timing.exposed` (exact at the optimum, where it sits on the larger one).
+    # Times enter in units of 1e-4 of the longest compute, so CBC's absolute tolerances (1e-7 on
+    # constraints, 1e-5 as the least objective improvement it looks for) stay far below the
+    # differences between plans that the tests compare (1e-6 relative).
+    scale = 1e4 / max(c.total for c in terms.compute.values())
+    exposed = {name: pulp.LpVariable(f"e_{name.replace(' ', '_')}", lowBound=0) for name in timing.WINDOWS}
+    kappa = terms.request.cluster.overlap_interference
+    step_level = {
+        "step start": (
+            total(terms.p_time[(q, pi)][timing.OTHER_GATHER] * z[("P", q, pi)] for q, pi in terms.possible)
+            + total(t * z_ref[k] for k, t in terms.refresh.items()),
+            total(terms.compute[k].first_forward * w[k] for k in w),
+        ),
+        "reduction": (
+            total(t * z_red[k] for k, t in terms.reduction.items()),
+            total(terms.request.cluster.reduction_overlap * terms.compute[k].last_backward * w[k] for k in w),
+        ),
+    }
+    for name, (comm, hide) in step_level.items():
+        prob += exposed[name] >= scale * (comm - hide)
+        prob += exposed[name] >= scale * kappa * comm
+    # Per-micro-batch windows scale with M = n / b, so they get one big-M pair per (b, r).
+    tables = {"P": terms.p_time, "G": terms.g_time}
+    micro = dict(terms.batchings)
+    for (b, r), wk in w.items():
+        compute = terms.compute[(b, r)]
+        per_micro_batch = {
+            "forward": ([(timing.FORWARD_GATHER, "P")], compute.forward_layers),
+            "backward": (
+                ([(timing.BACKWARD_GATHER, "P")] if r != "none" else []) + [(timing.LAYER_GRADS, "G")],
+                compute.backward_layers,
+            ),
+            "other leaves": ([(timing.OTHER_GRADS, "G")], compute.forward_other + compute.backward_other),
+        }
+        for name, (groups, hide) in per_micro_batch.items():
+            comm = total(
+                micro[b] * tables[c][(q, pi)][group] * z[(c, q, pi)]
+                for group, c in groups
+                for q, pi in terms.possible
+            )
+            most = sum(micro[b] * max(tables[c][k][group] for k in terms.possible) for group, c in groups)
+            if most - hide > 0:
+                prob += exposed[name] >= scale * (comm - hide - (most - hide) * (1 - wk))
+            if kappa * most > 0:
+                prob += exposed[name] >= scale * kappa * (comm - most * (1 - wk))
+
+    prob += (
+        scale * total(terms.compute[k].total * w[k] for k in w)
+        + scale * total(terms.optimizer[(q, pi)] * z[("OS", q, pi)] for q, pi in terms.possible)
+        + total(exposed.values())
+    )
+    if fixed is not None:
+        pinned = zip(
+            COMPONENTS, (fixed.strategy.params, fixed.strategy.grads, fixed.strategy.opt_state), strict=True
+        )
+        for c, q in pinned:
+            prob += x[(c, q)] == 1
+        prob += mb[fixed.micro_batch_size] == 1
+        prob += rho[fixed.remat] == 1
+    status = prob.solve(pulp.PULP_CBC_CMD(msg=False, gapRel=0, gapAbs=0))
+    if pulp.LpStatus[status] != "Optimal":
+        return None
+
+    def chosen(variables: dict) -> object:
+        return max(variables, key=lambda key: variables[key].value() or 0.0)
+
+    strategy = Strategy(*(chosen({q: x[(c, q)] for q in qs}) for c in COMPONENTS))
+    choice = Choice(strategy, chosen(mb), chosen(rho))
+    return Solution(
+        choice,
+        terms.step_time(choice).step_s,
+        terms.memory(choice),
+        time.perf_counter() - start,
+        pulp.value(prob.objective) / scale,
+    )
+
+
+# ---- full-model evaluation of chosen and preset plans ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluated:
+    """A plan re-evaluated by the full cost and time models, with whether it fits the device."""
+
+    name: str
+    strategy: Strategy
+    description: str
+    micro_batch_size: int
+    micro_batches: int
+    remat: str
+    estimate: timing.Estimate
+    memory_limit: float
+    devices: int
+    solve_time_s: float | None = None
+
+    @property
+    def memory_bytes(self) -> int:
+        """Predicted peak bytes per device."""
+        return self.estimate.prediction.memory.total
+
+    @property
+    def feasible(self) -> bool:
+        """Whether the plan fits the device's usable memory."""
+        return self.memory_bytes <= self.memory_limit
+
+    @property
+    def reason(self) -> str | None:
+        """Why the plan cannot run, or None."""
+        if self.feasible:
+            return None
+        return (
+            f"needs {self.memory_bytes / GIB:.1f} GiB per device, {self.memory_limit / GIB:.1f} GiB available"
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        """The JSON row of `amsp-jax plan --json`."""
+        levels = self.estimate.prediction.bytes_by_level()
+        return {
+            "name": self.name,
+            "strategy": self.description,
+            "micro_batch_size": self.micro_batch_size,
+            "micro_batches": self.micro_batches,
+            "remat": self.remat,
+            "step_time_s": self.estimate.time.step_s,
+            "mfu": self.estimate.time.mfu,
+            "tokens_per_s": self.estimate.time.tokens_per_s(self.devices),
+            "memory_bytes_per_device": self.memory_bytes,
+            "bytes_per_device": {"intra": levels["intra"], "inter": levels["inter"]},
+            "feasible": self.feasible,
+            "reason": self.reason,
+        }
+
+
+def _hpz(request: Request, zero3: Strategy, workload: Workload) -> timing.Estimate:
+    """ZeRO++ hpZ: ZeRO-3 whose backward re-gather reads a secondary P copy sharded within the node.
+
+    The secondary copy is filled from the forward's gather (no extra traffic), so the step is ZeRO-3's
+    with the backward-gather phase of a node-sharded P, and memory gains that copy's P block.
+    """
+    cluster = request.cluster.cluster()
+    secondary = Strategy(Placement(cluster.devices_per_node, 1), zero3.grads, zero3.opt_state)
+    axes, secondary_axes = plan_axes(cluster, zero3), plan_axes(cluster, secondary)
+    base = timing.estimate(axes, workload, request.cluster).prediction
+    other = memory(secondary_axes, workload)
+    backward = timing.traffic(secondary_axes, workload)[timing.BACKWARD_GATHER]
+    groups = dict(timing.traffic(axes, workload))
+    groups[timing.BACKWARD_GATHER] = backward
+    backward_phase = {t.phase for t in base.transfers if "re-gather" in t.phase}
+    transfers = tuple(t for t in base.transfers if t.phase not in backward_phase)
+    transfers += tuple(
+        t for t in timing.predict(secondary_axes, workload).transfers if t.phase in backward_phase
+    )
+    mem = dataclasses.replace(base.memory, params=base.memory.params + other.params)
+    prediction = timing.Prediction(transfers, mem)
+    return timing.Estimate(prediction, timing.step_time(groups, mem, workload, request.cluster))
+
+
+def evaluate(
+    request: Request,
+    strategy: Strategy,
+    micro_batch_size: int,
+    remat: str,
+    name: str = "chosen",
+    hpz: bool = False,
+    solve_time_s: float | None = None,
+) -> Evaluated:
+    """One plan by the full cost and time models (`hpz`: ZeRO++'s secondary copy, see `_hpz`)."""
+    micro_batches = dict(request.batchings())[micro_batch_size]
+    workload = request.workload(micro_batch_size, micro_batches, remat)
+    if hpz:
+        estimate = _hpz(request, strategy, workload)
+        description = f"{strategy},hpz={Placement(request.cluster.devices_per_node, 1)}"
+    else:
+        estimate = timing.estimate(plan_axes(request.cluster.cluster(), strategy), workload, request.cluster)
+        description = str(strategy)
+    return Evaluated(
+        name,
+        strategy,
+        description,
+        micro_batch_size,
+        micro_batches,
+        remat,
+        estimate,
+        request.cluster.memory_limit,
+        request.devices,
+        solve_time_s,
+    )
+
+
+def best_batching(terms: Terms, strategy: Strategy, hpz: bool = False) -> Choice:
+    """The fastest (micro-batch size, remat) for a fixed strategy that fits, else the smallest one."""
+    node = Placement(terms.request.cluster.devices_per_node, 1) if hpz else None
+    options = [Choice(strategy, b, r) for (b, _), r in itertools.product(terms.batchings, terms.remats)]
+    if terms.covers(strategy):
+        scored = [(terms.step_time(c, node).step_s, terms.memory(c, node), c) for c in options]
+    else:  # a placement off the whole-node grid: the full model, one batching at a time
+        scored = []
+        for c in options:
+            e = evaluate(terms.request, strategy, c.micro_batch_size, c.remat, hpz=hpz).estimate
+            scored.append((e.time.step_s, float(e.prediction.memory.total), c))
+    fitting = [item for item in scored if item[1] <= terms.memory_limit]
+    if fitting:
+        return min(fitting, key=lambda item: item[0])[2]
+    return min(scored, key=lambda item: item[1])[2]
+
+
+PRESET_ROWS = ("ddp", "zero1", "zero2", "zero3", "mics", "hsdp", "zero++")
+
+
+def alternatives(terms: Terms) -> list[Evaluated]:
+    """The usual presets, each at its own best micro-batch size and remat policy."""
+    cluster = terms.request.cluster.cluster()
+    rows = []
+    for name in PRESET_ROWS:
+        hpz = name == "zero++"
+        strategy = preset("zero3" if hpz else name, cluster)
+        choice = best_batching(terms, strategy, hpz)
+        rows.append(evaluate(terms.request, strategy, choice.micro_batch_size, choice.remat, name, hpz))
+    return rows
+
+
+def nothing_fits(terms: Terms) -> PlanError:
+    """The error for a request no plan fits: the least memory any plan needs, and what would fit."""
+    request = terms.request
+    need, smallest = smallest_memory(terms)
+    hardware = request.cluster
+    lines = [
+        f"no plan fits: the smallest ({smallest.strategy}, micro-batch {smallest.micro_batch_size}, "
+        f"remat {smallest.remat}) needs {need / GIB:.1f} GiB per device, but {hardware.name} allows "
+        f"{hardware.memory_limit / GIB:.1f} GiB ({hardware.memory_bytes / GIB:.0f} GiB x "
+        f"{hardware.usable_memory_fraction:g} usable)."
+    ]
+    for factor in (2, 4, 8, 16, 32, 64):
+        nodes = hardware.nodes * factor
+        devices = nodes * hardware.devices_per_node
+        bigger = dataclasses.replace(
+            request,
+            cluster=hardware.with_shape(nodes),
+            global_batch_tokens=devices * request.seq_len,
+            micro_batch_sizes=None,
+        )
+        bigger_need, _ = smallest_memory(build_terms(bigger))
+        if bigger_need <= hardware.memory_limit:
+            lines.append(
+                f"{nodes} nodes would fit (the smallest plan needs {bigger_need / GIB:.1f} GiB there), "
+                f"with a global batch that is a multiple of {devices * request.seq_len} tokens."
+            )
+            break
+    lines.append(f"A device with at least {need / hardware.usable_memory_fraction / GIB:.1f} GiB would fit.")
+    if request.micro_batch_sizes or tuple(request.remats) != REMAT_POLICIES:
+        lines.append("Letting the planner pick the micro-batch size and remat policy may also help.")
+    return PlanError(" ".join(lines))
+
+
+def make_request(
+    model: LlamaConfig | str | Path,
+    cluster: ClusterConfig | Cluster | str | Path,
+    nodes: int | None = None,
+    *,
+    seq_len: int,
+    global_batch_tokens: int | None = None,
+    global_batch: int | None = None,
+    precision: str | Precision = "mixed",
+    micro_batch_size: int | None = None,
+    remat: str | None = None,
+) -> Request:
+    """A `Request` from model/cluster configs or paths; the batch in tokens or in sequences."""
+    if not isinstance(model, LlamaConfig):
+        model = LlamaConfig.from_yaml(model)
+    if isinstance(cluster, Cluster):
+        hardware = for_cluster(cluster)
+    elif isinstance(cluster, ClusterConfig):
+        hardware = cluster
+    else:
+        hardware = load_cluster(cluster)
+    if nodes is not None:
+        hardware = hardware.with_shape(nodes)
+    if (global_batch_tokens is None) == (global_batch is None):
+        raise PlanError("give the global batch either in tokens (global_batch_tokens) or in sequences")
+    tokens = global_batch_tokens if global_batch_tokens is not None else global_batch * seq_len
+    if remat is not None and remat not in REMAT_POLICIES:
+        raise PlanError(f"unknown remat policy {remat!r}; use one of {REMAT_POLICIES}")
+    return Request(
+        model=model,
+        cluster=hardware,
+        seq_len=seq_len,
+        global_batch_tokens=tokens,
+        precision=Precision.named(precision) if isinstance(precision, str) else precision,
+        micro_batch_sizes=None if micro_batch_size is None else (micro_batch_size,),
+        remats=REMAT_POLICIES if remat is None else (remat,),
+    )
+
+
+def plan(request: Request, terms: Terms | None = None) -> Evaluated:
+    """The ILP's choice for `request`, re-evaluated by the full models; PlanError when nothing fits."""
+    start = time.perf_counter()
+    terms = terms or build_terms(request)
+    solution = solve(terms)
+    if solution is None:
+        raise nothing_fits(terms)
+    c = solution.choice
+    return evaluate(
+        request, c.strategy, c.micro_batch_size, c.remat, solve_time_s=time.perf_counter() - start
+    )
+
+
+def choose(
+    model: LlamaConfig | str | Path,
+    cluster: ClusterConfig | Cluster | str | Path,
+    nodes: int | None = None,
+    *,
+    seq_len: int,
+    global_batch_tokens: int | None = None,
+    global_batch: int | None = None,
+    precision: str | Precision = "mixed",
+    micro_batch_size: int | None = None,
+    remat: str | None = None,
+) -> Evaluated:
+    """The fastest plan that fits: `.strategy`, `.micro_batch_size`, `.micro_batches`, `.remat`, `.estimate`.
+
+    `model` is a `LlamaConfig` or a model YAML; `cluster` a `ClusterConfig`, a cluster YAML (or its
+    name under `configs/clusters/`), or a bare `space.Cluster` (hardware then from
+    `configs/clusters/<cluster.name>.yaml`, else `cpu-sim.yaml`); `nodes` overrides the config's node
+    count. Give the global batch in tokens or, as `global_batch`, in sequences. `micro_batch_size`
+    and `remat` fix those knobs instead of searching them. Raises `PlanError` when nothing fits,
+    saying how much memory the smallest plan needs and what would fit.
+    """
+    return plan(
+        make_request(
+            model,
+            cluster,
+            nodes,
+            seq_len=seq_len,
+            global_batch_tokens=global_batch_tokens,
+            global_batch=global_batch,
+            precision=precision,
+            micro_batch_size=micro_batch_size,
+            remat=remat,
+        )
+    )

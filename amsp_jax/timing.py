@@ -1,0 +1,272 @@
+"""The time model: step time, tokens/s and MFU from the cost model's bytes and a cluster's hardware.
+
+Built on `amsp_jax.cost`, never beside it: the bytes of every collective come from
+`cost.leaf_transfers` (the same numbers the audit checks against the compiled program), regrouped by
+the compute they can hide behind. Each group's time is the sum over its (kind, level) transfers of
+`bytes / busbw(bytes / executions)` (see `amsp_jax.cluster_config` for why that is the nccl-tests
+convention for per-device ring bytes).
+
+Compute: model FLOPs per token 6Φ + 12·L·H·Q·T (forward 1/3, backward 2/3) plus what remat runs
+again — `full` repeats each layer's forward (2Φ_layers + 4·L·H·Q·T per token); `dots` keeps every
+projection's output (`dots_with_no_batch_dims_saveable`) and repeats only the attention matmuls,
+whose dot_generals carry batch dimensions (4·L·H·Q·T per token); `none` repeats nothing — over
+peak × efficiency.
+
+Overlap, per window (exposed = max(0, communication − compute it hides behind)):
+  - forward: each layer's P gather is prefetched behind the previous layer's forward;
+  - backward: each layer's P re-gather and gradient reduce-scatter run behind the layer's backward
+    (they share the links, so their times add);
+  - other leaves: the per-micro-batch reduce-scatter of the embedding/head/norm gradients runs behind
+    those leaves' own forward and backward;
+  - step start: the P refresh of the last step and the once-per-step gather of the other leaves run
+    behind the first micro-batch's forward (contention with that forward's layer gathers ignored);
+  - reduction: the once-per-step G→OS reduction overlaps a fraction (the cluster's
+    `overlap.reduction_fraction`) of the last micro-batch's backward: its buckets become ready one
+    layer at a time while the per-layer traffic of that backward shares the links.
+Overlapped communication is not free: its kernels take SMs and HBM bandwidth from the compute they
+run beside, so a window costs at least the cluster's `overlap.interference` × its communication.
+Since every layer is alike, the per-layer max(0, comm − compute) summed over L layers and M
+micro-batches equals max(0, total comm − total compute) of the window. The pipeline fill (the
+first layer's gather, the last layer's reduce-scatter) is not counted.
+
+The optimizer update is memory-bound: it reads the fp32 gradient, reads and writes the master and
+the moments and writes the compute copy, all on the OS block, at the device's HBM bandwidth.
+MFU follows Megatron-LM: model FLOPs (no recompute, no causal halving) per second over peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Mapping
+
+from amsp_jax.cluster_config import ClusterConfig
+from amsp_jax.cost import (
+    FP32,
+    PHASES,
+    LeafShape,
+    Memory,
+    Prediction,
+    Transfer,
+    Workload,
+    leaf_transfers,
+    predict,
+)
+from amsp_jax.sharding import AxisPlan
+
+FORWARD_GATHER = "P gather, layers (forward)"
+BACKWARD_GATHER = "P re-gather, layers (backward)"
+LAYER_GRADS = "G reduce-scatter, layers (per micro-batch)"
+OTHER_GRADS = "G reduce-scatter, other leaves (per micro-batch)"
+OTHER_GATHER = "P gather, other leaves (once per step)"
+REFRESH = "P refresh (once per step)"
+REDUCTION = "G to OS reduction (once per step)"
+GROUPS = (FORWARD_GATHER, BACKWARD_GATHER, LAYER_GRADS, OTHER_GRADS, OTHER_GATHER, REFRESH, REDUCTION)
+WINDOWS = ("forward", "backward", "other leaves", "step start", "reduction")
+
+
+def group_of(phase: str, stacked: bool) -> str:
+    """The overlap group of one cost-model phase for a layer-stack leaf or another leaf."""
+    if phase == PHASES[3]:
+        return LAYER_GRADS if stacked else OTHER_GRADS
+    return {
+        PHASES[0]: FORWARD_GATHER,
+        PHASES[1]: BACKWARD_GATHER,
+        PHASES[2]: OTHER_GATHER,
+        PHASES[4]: REDUCTION,
+        PHASES[5]: REFRESH,
+    }[phase]
+
+
+Traffic = Mapping[str, tuple[Transfer, ...]]
+"""Per-device transfers of one step by overlap group, merged by (kind, level)."""
+
+
+def merge(transfers: list[tuple[int, Transfer]], group: str) -> tuple[Transfer, ...]:
+    """`(count, transfer)` pairs summed by (kind, level), as `cost.communication` merges them."""
+    totals: dict[tuple[str, str], list[int]] = {}
+    for count, t in transfers:
+        entry = totals.setdefault((t.kind, t.level), [0, 0])
+        entry[0] += count * t.bytes
+        entry[1] += count * t.executions
+    return tuple(Transfer(group, kind, level, b, e) for (kind, level), (b, e) in sorted(totals.items()) if b)
+
+
+def distinct_leaves(workload: Workload) -> list[tuple[LeafShape, int]]:
+    """One leaf per (shape, stacked) and its count: identical leaves (wq/wk/wv, w1/w3) move equal bytes."""
+    counts = Counter((leaf.shape, leaf.stacked) for leaf in workload.leaves)
+    first = {(leaf.shape, leaf.stacked): leaf for leaf in reversed(workload.leaves)}
+    return [(first[key], count) for key, count in counts.items()]
+
+
+def traffic(axes: AxisPlan, workload: Workload) -> Traffic:
+    """Every collective of one step from `cost.leaf_transfers`, grouped by overlap window."""
+    by_group: dict[str, list[tuple[int, Transfer]]] = {g: [] for g in GROUPS}
+    for leaf, count in distinct_leaves(workload):
+        for t in leaf_transfers(axes, workload, leaf):
+            by_group[group_of(t.phase, leaf.stacked)].append((count, t))
+    return {g: merge(items, g) for g, items in by_group.items()}
+
+
+def communication_times(traffic: Traffic, cluster: ClusterConfig) -> dict[str, float]:
+    """Seconds of each group's collectives, one after another on the links."""
+    return {
+        group: sum(cluster.collective_time(t.kind, t.level, t.bytes, t.executions) for t in transfers)
+        for group, transfers in traffic.items()
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Compute:
+    """Compute seconds of one step per device, split by what communication can hide behind."""
+
+    forward_layers: float
+    backward_layers: float
+    forward_other: float
+    backward_other: float
+    micro_batches: int
+
+    @property
+    def total(self) -> float:
+        """All compute of the step."""
+        return self.forward_layers + self.backward_layers + self.forward_other + self.backward_other
+
+    @property
+    def first_forward(self) -> float:
+        """One micro-batch's forward."""
+        return (self.forward_layers + self.forward_other) / self.micro_batches
+
+    @property
+    def last_backward(self) -> float:
+        """One micro-batch's backward."""
+        return (self.backward_layers + self.backward_other) / self.micro_batches
+
+
+def recompute_flops_per_token(workload: Workload) -> int:
+    """FLOPs per token that remat runs a second time in the backward pass."""
+    d = workload.dims
+    attention_forward = 4 * d.n_layers * d.n_heads * d.head_dim * workload.seq_len
+    layer_params = sum(leaf.size for leaf in workload.leaves if leaf.stacked)
+    return {"none": 0, "dots": attention_forward, "full": 2 * layer_params + attention_forward}[
+        workload.remat
+    ]
+
+
+def compute_times(workload: Workload, cluster: ClusterConfig) -> Compute:
+    """Seconds of the layers' and the other leaves' forward and backward, remat included."""
+    d = workload.dims
+    tokens = workload.tokens_per_device()
+    layer_params = sum(leaf.size for leaf in workload.leaves if leaf.stacked)
+    other_params = workload.num_params - layer_params
+    attention = 12 * d.n_layers * d.n_heads * d.head_dim * workload.seq_len
+    layer_forward = 2 * layer_params + attention // 3
+    seconds = tokens / cluster.sustained_flops
+    return Compute(
+        forward_layers=layer_forward * seconds,
+        backward_layers=(2 * layer_forward + recompute_flops_per_token(workload)) * seconds,
+        forward_other=2 * other_params * seconds,
+        backward_other=4 * other_params * seconds,
+        micro_batches=workload.micro_batches,
+    )
+
+
+def optimizer_time(memory: Memory, param_bytes: int, cluster: ClusterConfig) -> float:
+    """Seconds of the memory-bound optimizer update on the OS block."""
+    touched = 3 * memory.master + 2 * memory.opt_state + memory.master // FP32 * param_bytes
+    return touched / cluster.hbm_bandwidth
+
+
+def exposed(communication: float, hidden_behind: float, interference: float) -> float:
+    """Seconds a window adds: what compute cannot hide, and at least the slowdown overlap itself costs."""
+    return max(communication - hidden_behind, interference * communication)
+
+
+def windows(comm: Mapping[str, float], compute: Compute) -> dict[str, tuple[float, float]]:
+    """(communication, compute it may hide behind) seconds of each overlap window (module docstring)."""
+    return {
+        "forward": (comm[FORWARD_GATHER], compute.forward_layers),
+        "backward": (comm[BACKWARD_GATHER] + comm[LAYER_GRADS], compute.backward_layers),
+        "other leaves": (comm[OTHER_GRADS], compute.forward_other + compute.backward_other),
+        "step start": (comm[OTHER_GATHER] + comm[REFRESH], compute.first_forward),
+        "reduction": (comm[REDUCTION], compute.last_backward),
+    }
+
+
+def exposed_times(comm: Mapping[str, float], compute: Compute, cluster: ClusterConfig) -> dict[str, float]:
+    """Communication seconds left visible in each overlap window."""
+    fractions = {"reduction": cluster.reduction_overlap}
+    return {
+        name: exposed(seconds, fractions.get(name, 1.0) * hide, cluster.overlap_interference)
+        for name, (seconds, hide) in windows(comm, compute).items()
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one step, where they go, and the resulting throughput."""
+
+    compute_s: float
+    optimizer_s: float
+    communication_s: Mapping[str, float]
+    exposed_s: Mapping[str, float]
+    model_flops_per_device: float
+    peak_flops: float
+    tokens_per_device: int
+
+    @property
+    def step_s(self) -> float:
+        """Compute, the optimizer update and the communication no compute hides."""
+        return self.compute_s + self.optimizer_s + sum(self.exposed_s.values())
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOP/s per device over peak (Megatron-LM: no recompute, no causal halving)."""
+        return self.model_flops_per_device / self.step_s / self.peak_flops
+
+    def tokens_per_s(self, devices: int) -> float:
+        """Tokens per second of the whole cluster."""
+        return self.tokens_per_device * devices / self.step_s
+
+
+def combine(
+    comm: Mapping[str, float],
+    compute: Compute,
+    optimizer_s: float,
+    workload: Workload,
+    cluster: ClusterConfig,
+) -> StepTime:
+    """The step time of given communication, compute and optimizer seconds."""
+    return StepTime(
+        compute_s=compute.total,
+        optimizer_s=optimizer_s,
+        communication_s=dict(comm),
+        exposed_s=exposed_times(comm, compute, cluster),
+        model_flops_per_device=float(workload.flops_per_token() * workload.tokens_per_device()),
+        peak_flops=cluster.peak_flops,
+        tokens_per_device=workload.tokens_per_device(),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The cost model's prediction (bytes, memory) and the time model's step time for one plan."""
+
+    prediction: Prediction
+    time: StepTime
+
+
+def step_time(traffic: Traffic, memory: Memory, workload: Workload, cluster: ClusterConfig) -> StepTime:
+    """Step time of grouped transfers and memory (lets callers splice variants such as ZeRO++ hpZ)."""
+    return combine(
+        communication_times(traffic, cluster),
+        compute_times(workload, cluster),
+        optimizer_time(memory, workload.precision.param_bytes, cluster),
+        workload,
+        cluster,
+    )
+
+
+def estimate(axes: AxisPlan, workload: Workload, cluster: ClusterConfig) -> Estimate:
+    """Bytes, memory and step time of `workload` under the strategy `axes` was planned for."""
+    prediction = predict(axes, workload)
+    return Estimate(prediction, step_time(traffic(axes, workload), prediction.memory, workload, cluster))

@@ -1,0 +1,152 @@
+"""The partitioner: the ILP against brute force on generated workloads, exactness, memory, failures."""
+
+import contextlib
+import dataclasses
+import itertools
+import random
+
+import pytest
+
+from amsp_jax import partitioner as pt
+from amsp_jax.cluster_config import from_dict
+from amsp_jax.models.llama import LlamaConfig
+from amsp_jax.space import Cluster, Strategy, StrategyError
+
+CASES = 50
+
+
+def synthetic_cluster(rng: random.Random, nodes: int, per_node: int) -> dict:
+    """A cluster YAML mapping with random but ordered hardware: inter-node slower than intra-node."""
+    intra = rng.uniform(5, 50)
+    inter = intra / rng.uniform(2, 20)
+
+    def table(peak: float) -> list:
+        return [[2**12, peak / 20], [2**16, peak / 4], [2**20, peak]]
+
+    return {
+        "name": "synthetic",
+        "nodes": nodes,
+        "devices_per_node": per_node,
+        "device": {
+            "memory_bytes": 2**40,
+            "peak_flops": rng.choice([1e8, 1e9, 1e10, 1e11]),
+            "compute_efficiency": rng.uniform(0.3, 0.8),
+            "hbm_bandwidth": rng.uniform(1e9, 1e11),
+        },
+        "overlap": {
+            "reduction_fraction": rng.choice([0.0, 0.5, 1.0]),
+            "interference": rng.choice([0, 0.1, 0.3]),
+        },
+        "bandwidth": {
+            kind: {"intra": table(intra * rng.uniform(0.8, 1.2)), "inter": table(inter)}
+            for kind in ("all-gather", "reduce-scatter", "all-reduce")
+        },
+    }
+
+
+def generated_case(seed: int) -> pt.Terms:
+    """Random model, cluster, hardware, sequence, batch; a memory limit between the least and most needed."""
+    rng = random.Random(seed)
+    dim = rng.choice([24, 32, 40, 48, 64, 96])
+    heads = rng.choice([h for h in (2, 3, 4, 6, 8) if dim % h == 0])
+    model = LlamaConfig(
+        vocab_size=rng.choice([64, 96, 100, 128, 250]),
+        dim=dim,
+        n_layers=rng.choice([1, 2, 3]),
+        n_heads=heads,
+        n_kv_heads=rng.choice([k for k in (1, heads) if heads % k == 0]),
+        ffn_dim=rng.choice([2 * dim, 3 * dim, 40, 88]),
+        max_seq_len=64,
+        tie_embeddings=rng.random() < 0.2,
+    )
+    per_node, nodes = rng.choice(
+        [(1, 4), (2, 2), (2, 3), (3, 2), (4, 1), (4, 2), (2, 4), (8, 1), (6, 2), (4, 3)]
+    )
+    seq_len = rng.choice([8, 16, 32, 64])
+    per_device = rng.choice([1, 2, 4, 6])
+    request = pt.make_request(
+        model,
+        from_dict(synthetic_cluster(rng, nodes, per_node)),
+        seq_len=seq_len,
+        global_batch=per_device * nodes * per_node,
+    )
+    terms = pt.build_terms(request)
+    memories = [
+        terms.memory(pt.Choice(s, b, r))
+        for s in pt.valid_strategies(terms)
+        for (b, _), r in zip(terms.batchings, terms.remats, strict=False)
+    ]
+    least, most = min(memories), max(memories)
+    return dataclasses.replace(terms, memory_limit=least + rng.uniform(0.02, 0.7) * (most - least))
+
+
+@pytest.mark.parametrize("seed", range(CASES))
+def test_ilp_finds_the_brute_force_optimum_and_it_fits(seed):
+    terms = generated_case(seed)
+    ilp, brute = pt.solve(terms), pt.brute_force(terms)
+    assert brute is not None and ilp is not None
+    assert ilp.step_s == pytest.approx(brute.step_s, rel=1e-6)
+    assert ilp.objective_s == pytest.approx(ilp.step_s, rel=1e-6)
+    if ilp.choice != brute.choice:  # only a tie may pick another plan
+        assert terms.step_time(ilp.choice).step_s == pytest.approx(brute.step_s, rel=1e-6)
+    c = ilp.choice
+    full = pt.evaluate(terms.request, c.strategy, c.micro_batch_size, c.remat)
+    assert full.memory_bytes <= terms.memory_limit
+    assert full.estimate.time.step_s == pytest.approx(ilp.step_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", [3, 11, 29])
+def test_decomposed_model_and_ilp_objective_equal_the_full_model_for_any_choice(seed):
+    terms = dataclasses.replace(generated_case(seed), memory_limit=float("inf"))
+    rng = random.Random(seed)
+    strategies = list(pt.valid_strategies(terms))
+    for _ in range(6):
+        choice = pt.Choice(rng.choice(strategies), rng.choice(terms.batchings)[0], rng.choice(terms.remats))
+        full = pt.evaluate(terms.request, choice.strategy, choice.micro_batch_size, choice.remat)
+        assert terms.step_time(choice).step_s == pytest.approx(full.estimate.time.step_s, rel=1e-9)
+        assert terms.memory(choice) == full.memory_bytes
+        pinned = pt.solve(terms, fixed=choice)
+        assert pinned.choice == choice
+        assert pinned.objective_s == pytest.approx(full.estimate.time.step_s, rel=1e-6)
+
+
+def test_every_valid_strategy_is_enumerated_and_passes_validation():
+    cluster = Cluster(6, 4)
+    request = pt.make_request(LlamaConfig(), "configs/clusters/cpu-sim.yaml", 6, seq_len=16, global_batch=24)
+    enumerated = set(pt.valid_strategies(pt.build_terms(request)))
+    places = pt.placements(cluster)
+    valid = set()
+    for p, g, o in itertools.product(places, repeat=3):
+        with contextlib.suppress(StrategyError):
+            valid.add(Strategy(p, g, o).validate(cluster))
+    assert enumerated == valid
+
+
+def test_an_impossible_request_says_what_it_needs_and_what_would_fit():
+    model = LlamaConfig.from_yaml("configs/models/llama-65b.yaml")
+    with pytest.raises(pt.PlanError) as error:
+        pt.choose(model, "configs/clusters/a800-8x-ib800.yaml", 1, seq_len=4096, global_batch_tokens=8 * 4096)
+    text = str(error.value)
+    assert "no plan fits" in text and "GiB per device" in text
+    assert "nodes would fit" in text and "at least" in text
+
+
+def test_a_batch_that_does_not_divide_is_refused():
+    with pytest.raises(pt.PlanError, match="multiple of"):
+        pt.choose(LlamaConfig(), "configs/clusters/cpu-sim.yaml", seq_len=16, global_batch=12)
+
+
+def test_choose_takes_a_bare_cluster_and_a_batch_in_sequences_as_the_train_command_does():
+    chosen = pt.choose(LlamaConfig(), Cluster(2, 4, "cpu-sim"), seq_len=16, global_batch=16)
+    assert chosen.feasible
+    assert chosen.micro_batch_size * chosen.micro_batches == 2
+    chosen.strategy.validate(Cluster(2, 4))
+
+
+def test_amsp_setting_is_solved_fast_and_fits():
+    model = LlamaConfig.from_yaml("configs/models/llama-13b.yaml")
+    chosen = pt.choose(
+        model, "configs/clusters/a800-8x-ib800.yaml", 128, seq_len=4096, global_batch_tokens=4 * 2**20
+    )
+    assert chosen.feasible and chosen.micro_batch_size == 1
+    assert chosen.solve_time_s < 2.0  # measured ~0.15 s; the bound leaves room for slow CI machines

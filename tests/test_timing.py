@@ -1,0 +1,102 @@
+"""The time model and the cluster configs it reads."""
+
+import dataclasses
+import math
+
+import pytest
+
+from amsp_jax import timing
+from amsp_jax.cluster_config import KINDS, LEVELS, BandwidthTable, load, parse_size
+from amsp_jax.cost import llama_workload, predict
+from amsp_jax.models.llama import LlamaConfig
+from amsp_jax.sharding import plan_axes
+from amsp_jax.space import Cluster, Strategy
+
+MODEL = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176)
+CLUSTER = Cluster(2, 4)
+
+
+def test_bandwidth_interpolates_in_log_size_and_is_latency_bound_below_the_table():
+    table = BandwidthTable((2.0**10, 2.0**20), (1e9, 3e9))
+    assert table.at(2**10) == 1e9 and table.at(2**20) == 3e9
+    assert table.at(2**15) == pytest.approx(2e9)  # halfway in log-size
+    assert table.at(2**30) == 3e9  # flat above the table
+    assert 2**9 / table.at(2**9) == pytest.approx(2**10 / table.at(2**10))  # same time as the smallest
+
+
+def test_sizes_parse_with_binary_units():
+    assert parse_size("64KiB") == 65536 and parse_size("1.5GiB") == 1.5 * 2**30 and parse_size(4096) == 4096
+
+
+@pytest.mark.parametrize("name", ["a800-8x-ib800", "h100-dgx", "cpu-sim"])
+def test_shipped_cluster_configs_load_with_every_table(name):
+    config = load(f"configs/clusters/{name}.yaml")
+    assert config.memory_limit < config.memory_bytes and config.peak_flops > 0
+    for kind in KINDS:
+        for level in LEVELS:
+            assert config.busbw(kind, level, 2**20) > 0
+    if name != "cpu-sim":  # NVLink is faster than the per-device share of the NICs
+        assert config.busbw("all-gather", "intra", 2**28) > 5 * config.busbw("all-gather", "inter", 2**28)
+
+
+def test_collective_time_is_per_device_bytes_over_bus_bandwidth():
+    config = load("configs/clusters/a800-8x-ib800.yaml")
+    size, executions = 3 * 2**28, 3
+    expected = size / config.busbw("all-reduce", "inter", 2**28)
+    assert config.collective_time("all-reduce", "inter", size, executions) == pytest.approx(expected)
+
+
+def test_traffic_regroups_exactly_the_cost_models_bytes():
+    workload = llama_workload(MODEL, 32, 2, 3, remat="full")
+    axes = plan_axes(CLUSTER, Strategy.parse("p=2x1,g=4x1,os=4x2"))
+    groups = timing.traffic(axes, workload)
+    regrouped = timing.merge([(1, t) for ts in groups.values() for t in ts], "all")
+    predicted = timing.merge([(1, t) for t in predict(axes, workload).transfers], "all")
+    assert regrouped == predicted
+    assert {t.phase for ts in groups.values() for t in ts} <= set(timing.GROUPS)
+
+
+def test_compute_counts_model_flops_plus_what_remat_repeats():
+    config = load("configs/clusters/a800-8x-ib800.yaml")
+    for remat, extra in [("none", 0), ("dots", 1), ("full", 2)]:
+        w = llama_workload(MODEL, 64, 1, 2, remat=remat)
+        flops = timing.compute_times(w, config).total * config.sustained_flops
+        d = w.dims
+        attention_forward = 4 * d.n_layers * d.n_heads * d.head_dim * w.seq_len
+        layers = sum(leaf.size for leaf in w.leaves if leaf.stacked)
+        recompute = [0, attention_forward, 2 * layers + attention_forward][extra]
+        assert flops == pytest.approx((w.flops_per_token() + recompute) * w.tokens_per_device())
+
+
+def test_windows_hide_communication_behind_compute_but_charge_interference():
+    config = load("configs/clusters/a800-8x-ib800.yaml")
+    compute = timing.Compute(1.0, 2.0, 0.1, 0.2, micro_batches=2)
+    comm = dict.fromkeys(timing.GROUPS, 0.0)
+    comm[timing.FORWARD_GATHER] = 0.5  # hidden: costs the interference only
+    comm[timing.LAYER_GRADS] = 3.0  # one second more than the backward
+    comm[timing.REDUCTION] = 1.0  # half of the last backward (1.1 s) hides it partly
+    exposed = timing.exposed_times(comm, compute, config)
+    assert exposed["forward"] == pytest.approx(config.overlap_interference * 0.5)
+    assert exposed["backward"] == pytest.approx(1.0)
+    assert exposed["reduction"] == pytest.approx(1.0 - config.reduction_overlap * 1.1)
+
+
+def test_step_time_and_mfu_of_a_single_device():
+    config = dataclasses.replace(load("configs/clusters/a800-8x-ib800.yaml"), hbm_bandwidth=math.inf)
+    w = llama_workload(MODEL, 64, 1, 4, remat="none")
+    estimate = timing.estimate(plan_axes(Cluster(1, 1), Strategy.parse("p=1x1,g=1x1,os=1x1")), w, config)
+    assert sum(estimate.time.communication_s.values()) == 0
+    assert estimate.time.mfu == pytest.approx(config.compute_efficiency)
+    assert estimate.time.tokens_per_s(1) == pytest.approx(w.tokens_per_device() / estimate.time.step_s)
+
+
+def test_per_micro_batch_communication_scales_with_micro_batches():
+    config = load("configs/clusters/a800-8x-ib800.yaml")
+    axes = plan_axes(CLUSTER, Strategy.parse("p=4x2,g=4x2,os=4x2"))
+    one, four = (
+        timing.communication_times(timing.traffic(axes, llama_workload(MODEL, 32, 1, m)), config)
+        for m in (1, 4)
+    )
+    assert four[timing.FORWARD_GATHER] == pytest.approx(4 * one[timing.FORWARD_GATHER])
+    assert four[timing.LAYER_GRADS] == pytest.approx(4 * one[timing.LAYER_GRADS])
+    assert four[timing.REDUCTION] == pytest.approx(one[timing.REDUCTION])
