@@ -24,6 +24,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from amsp_jax.collectives import hierarchical_split, runs
+from amsp_jax.layers import MIN_PREFETCH_LAYERS
 from amsp_jax.plan import Precision
 from amsp_jax.sharding import AxisPlan, LeafLayout, leaf_layout
 
@@ -331,20 +332,22 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
         else:
             gathered_other += (leaf.size - _block_elements(axes, split, "params")) * gathered_bytes
     opt_state = master // FP32 * workload.opt_state_bytes_per_param
-    layers = workload.dims.n_layers
     kept, full_layer = activation_bytes(workload)
+    layers = workload.dims.n_layers
     # The backward pass holds a gathered layer and its full-size gradient before the reduce-scatter,
     # plus the next layer when it is prefetched (remat full); without remat the forward keeps every
     # layer's gathered weights as residuals.
-    held = 3 if workload.remat == "full" else 2
+    prefetch = workload.remat == "full" and workload.micro_batches == 1 and layers >= MIN_PREFETCH_LAYERS
+    held = 3 if prefetch else 2
     gathered = gathered_other + held * (layer_full - layer_sharded)
     if workload.remat == "none":
         gathered += layers * (layer_full - layer_sharded)
     d = workload.dims
     logits = workload.micro_batch_size * workload.seq_len * d.vocab_size * FP32
     activations = layers * kept + full_layer + 2 * logits
-    # One micro-batch's gradient beside the accumulator, and the optimizer's update on OS.
-    temporaries = grads + master
+    # One micro-batch's gradient beside the accumulator (none with one micro-batch), and the
+    # optimizer's update on OS.
+    temporaries = (grads if workload.micro_batches > 1 else 0) + master
     return Memory(params, grads, master, opt_state, gathered, activations, temporaries)
 
 

@@ -21,6 +21,7 @@ import jax
 from amsp_jax.layer_scan import prefetched_scan
 
 STACK_PARAM = "layer"
+MIN_PREFETCH_LAYERS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +110,9 @@ class LayerStack(nn.Module):
         ops = context.stacks[path]
         context.seen.add(path)
         sinks = context.sinks[path]
-        if context.prefetch:
+        # Short stacks stay on the checkpointed scan: XLA unrolls one- and two-trip loops, and then
+        # merges the forward and backward gathers of a peeled layer (keeping it gathered).
+        if context.prefetch and self.length >= MIN_PREFETCH_LAYERS:
             return prefetched_scan(
                 lambda h, weights, args: block.apply({"params": weights}, h, *args),
                 ops.gather,

@@ -79,6 +79,17 @@ def param_layout(layout: Layout, abstract_params: Any, stacks: tuple[Path, ...])
     return ParamLayout(leaves, stacks, jax.tree.structure(abstract_params))
 
 
+def uses_prefetch(plan: Plan) -> bool:
+    """Whether layer stacks run the explicit-prefetch loop (else the checkpointed scan).
+
+    Its first gathers sit outside the layer loops; inside a micro-batch loop XLA hoists those
+    loop-invariant gathers out of it (and may merge them with the backward ones), so it is used with
+    one micro-batch, where nothing can be hoisted. With several, the checkpointed scan keeps every
+    gather inside a loop and the GPU collective pipeliner issues the next layer's gather early.
+    """
+    return plan.remat == "full" and plan.micro_batches == 1
+
+
 class Trainer:
     """Trains a Flax linen model with an optax optimizer under a plan, one jitted step at a time."""
 
@@ -273,7 +284,7 @@ class Trainer:
                 )
                 for stack in pl.stacks
             }
-            context = LayerContext(stack_ops, stack_sinks, policy, remat, prefetch=plan.remat == "full")
+            context = LayerContext(stack_ops, stack_sinks, policy, remat, prefetch=uses_prefetch(plan))
             with layer_context(context):
                 loss = self.loss_fn(traverse_util.unflatten_dict(tree), micro_batch)
             return loss.astype(jnp.float32)
@@ -314,8 +325,13 @@ class Trainer:
                 accumulated = {p: accumulated[p] + grads[p] for p in accumulated}
                 return (accumulated, loss_sum + loss), None
 
-            zero_loss = collectives.mark_varying(jnp.zeros((), jnp.float32), all_axes)
-            (accumulated, loss_sum), _ = jax.lax.scan(micro_step, (sinks, zero_loss), split)
+            if micro_batches == 1:
+                # No accumulator: one fp32 G-sized buffer less.
+                only = jax.tree.map(lambda x: x[0], split)
+                loss_sum, accumulated = jax.value_and_grad(micro_loss)(sinks, blocks, only)
+            else:
+                zero_loss = collectives.mark_varying(jnp.zeros((), jnp.float32), all_axes)
+                (accumulated, loss_sum), _ = jax.lax.scan(micro_step, (sinks, zero_loss), split)
             grads = {p: to_opt_state(p, g) for p, g in accumulated.items()}
             loss = jax.lax.psum(loss_sum, all_axes) / count
             return traverse_util.unflatten_dict(grads), loss

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -89,10 +90,16 @@ def train_data() -> list[dict[str, np.ndarray]]:
 
 
 @functools.cache
-def trained(strategy: str, micro_batches: int, precision: str = "fp32", remat: str = "full") -> tuple:
-    """(trainer, final state, losses) of `STEPS` steps of the tiny model; cached so the step and
-    audit tests share one compile per plan."""
-    model = Llama(TINY)
+def trained(
+    strategy: str,
+    micro_batches: int,
+    precision: str = "fp32",
+    remat: str = "full",
+    layers: int = TINY.n_layers,
+) -> tuple:
+    """(trainer, final state, losses) of `STEPS` steps of the tiny model (with `layers` layers); cached
+    so the step and audit tests share one compile per plan."""
+    model = Llama(dataclasses.replace(TINY, n_layers=layers))
     plan = aj.Plan(CLUSTER, aj.resolve(strategy, CLUSTER), micro_batches, precision=precision, remat=remat)
     trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model))
     data = train_data()

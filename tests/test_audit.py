@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import sys
 import pytest
 
 from amsp_jax import audit, cost
+from amsp_jax.layers import MIN_PREFETCH_LAYERS
 from tests.helpers import STRATEGIES, TINY, train_data, trained
 
 DIMS = cost.llama_dims(TINY)
@@ -29,6 +31,15 @@ def test_measured_bytes_equal_predicted_per_kind_and_level(strategy, micro_batch
         k: v for k, v in report.predicted.bytes_by_kind_and_level().items() if any(v.values())
     }
     assert report.bytes_match
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "p=2x1,g=4x1,os=4x2"])
+def test_prefetching_layer_loop_moves_the_predicted_bytes(strategy):
+    trainer, _, _ = trained(strategy, 1, layers=MIN_PREFETCH_LAYERS)
+    dims = cost.llama_dims(dataclasses.replace(TINY, n_layers=MIN_PREFETCH_LAYERS))
+    report = audit.audit_trainer(trainer, train_data()[0], dims)
+    assert report.bytes_match, report.table()
+    assert abs(report.memory_ratio - 1) <= audit.MEMORY_TOLERANCE, report.table()
 
 
 def _leaf_bytes(trainer, stacked: bool) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import amsp_jax as aj
+from amsp_jax.layers import MIN_PREFETCH_LAYERS
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from tests.helpers import (
     CLUSTER,
@@ -48,6 +51,17 @@ def test_fp32_step_equals_single_device_reference(model, data, expected, strateg
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     assert max_relative_error(trainer.full_params(state), expected_params) < 1e-5
     assert int(state.step) == STEPS
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "p=2x1,g=4x1,os=4x2"])
+def test_prefetching_layer_loop_equals_reference(data, strategy):
+    # Four layers and one micro-batch take the explicit-prefetch loop with its own backward.
+    micro_batches = 1
+    deep = Llama(dataclasses.replace(TINY, n_layers=MIN_PREFETCH_LAYERS))
+    expected_losses, expected_params = reference(deep, data, jax.random.key(0))
+    trainer, state, losses = trained(strategy, micro_batches, layers=MIN_PREFETCH_LAYERS)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert max_relative_error(trainer.full_params(state), expected_params) < 1e-5
 
 
 @pytest.mark.parametrize("strategy", ["zero3", "p=2x1,g=4x1,os=4x2", "p=4x2,g=4x1,os=1x1"])
