@@ -154,6 +154,7 @@ class Terms:
     refresh: dict[tuple[Placement, Placement, int], float]
     optimizer: dict[tuple[Placement, int], float]
     p_memory: dict[tuple[Placement, int, str], float]
+    prefetch_memory: dict[tuple[Placement, int], float]
     g_memory: dict[tuple[Placement, int], float]
     os_memory: dict[tuple[Placement, int], float]
     activations: dict[tuple[int, str], float]
@@ -203,9 +204,11 @@ class Terms:
         """Bytes per device of `choice`; `extra_params` adds a second P copy of that placement."""
         s, b, r = choice.strategy, choice.micro_batch_size, choice.remat
         pi = self.profile(s)
+        single = dict(self.batchings)[b] == 1
         total = (
             self.p_memory[(s.params, pi, r)]
-            + self.g_memory[(s.grads, pi)]
+            + (self.prefetch_memory[(s.params, pi)] if single and r == "full" else 0.0)
+            + self.g_memory[(s.grads, pi)] * (1 if single else 2)
             + self.os_memory[(s.opt_state, pi)]
             + self.activations[(b, r)]
         )
@@ -291,16 +294,24 @@ def build_terms(request: Request) -> Terms:
 
     # Memory: Memory fields of probes whose largest group has profile π.
     remats = tuple(r for r in REMAT_POLICIES if r in request.remats)
+    # Memory probes use two micro-batches; with one the step has no gradient accumulator (G counts
+    # once, not twice) and, with remat full, runs the prefetch loop that holds one more gathered layer.
     p_memory: dict[tuple[Placement, int, str], float] = {}
+    prefetch_memory: dict[tuple[Placement, int], float] = {}
     g_memory, os_memory, optimizer = {}, {}, {}
-    workloads = {r: request.workload(remat=r) for r in remats}
+    workloads = {r: request.workload(micro_batches=2, remat=r) for r in remats}
+    single_full, several_full = (request.workload(micro_batches=m, remat="full") for m in (1, 2))
     for (x, pi), t in holder.items():
-        as_p = {r: memory(plan_axes(cluster, Strategy(x, x, t)), workloads[r]) for r in remats}
+        axes = plan_axes(cluster, Strategy(x, x, t))
+        as_p = {r: memory(axes, workloads[r]) for r in remats}
         for r, mem in as_p.items():
             p_memory[(x, pi, r)] = float(mem.params + mem.gathered)
+        prefetch_memory[(x, pi)] = float(
+            memory(axes, single_full).gathered - memory(axes, several_full).gathered
+        )
         first = as_p[remats[0]]
         p_memory[(x, pi, "params only")] = float(first.params)
-        g_memory[(x, pi)] = float(2 * first.grads)  # the accumulator, and one micro-batch's gradient
+        g_memory[(x, pi)] = float(first.grads)  # one micro-batch's gradient; the accumulator doubles it
         as_os = memory(plan_axes(cluster, Strategy(t, t, x)), workloads[remats[0]])
         os_memory[(x, pi)] = float(2 * as_os.master + as_os.opt_state)  # master, moments, the update
         optimizer[(x, pi)] = timing.optimizer_time(as_os, base.precision.param_bytes, hardware)
@@ -326,6 +337,7 @@ def build_terms(request: Request) -> Terms:
         refresh=refresh,
         optimizer=optimizer,
         p_memory=p_memory,
+        prefetch_memory=prefetch_memory,
         g_memory=g_memory,
         os_memory=os_memory,
         activations=activations,
@@ -457,6 +469,17 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
     mem += total(terms.g_memory[(q, pi)] / GIB * z[("G", q, pi)] for q, pi in terms.possible)
     mem += total(terms.os_memory[(q, pi)] / GIB * z[("OS", q, pi)] for q, pi in terms.possible)
     mem += total(terms.activations[k] / GIB * w[k] for k in w)
+    # With several micro-batches G counts twice (accumulator); with one and remat full the prefetch
+    # loop holds one more gathered layer: products of the component, batching and remat binaries.
+    single = total(mb[b] for b, m in terms.batchings if m == 1)
+    for q, pi in terms.possible:
+        accumulator = product(f"acc_{q}_{pi}")
+        prob += accumulator >= z[("G", q, pi)] - single
+        mem += terms.g_memory[(q, pi)] / GIB * accumulator
+        if "full" in rho and terms.prefetch_memory[(q, pi)]:
+            held = product(f"pf_{q}_{pi}")
+            prob += held >= z[("P", q, pi)] + rho["full"] + single - 2
+            mem += terms.prefetch_memory[(q, pi)] / GIB * held
     for r in terms.remats[1:]:
         for q, pi in terms.possible:
             extra = (terms.p_memory[(q, pi, r)] - terms.p_memory[(q, pi, base_r)]) / GIB
