@@ -1,0 +1,90 @@
+"""`amsp-jax train`: train the LLaMA model from a config, with checkpoints, resume and several hosts.
+
+Device set-up comes first and must precede any JAX computation: without an accelerator XLA is asked
+for simulated CPU devices (`cpu_devices`, 8 by default, unless `XLA_FLAGS` already sets a count), and
+with `--coordinator` (or under a SLURM / Open MPI launch with several tasks) the process joins the
+others through `jax.distributed`. Then `amsp_jax.train.train` runs the config.
+
+    amsp-jax train --config configs/train/demo.yaml
+    amsp-jax train --config configs/train/demo.yaml --run-dir runs/demo-... --resume
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from amsp_jax import distributed
+from amsp_jax.space import StrategyError
+
+# Settings that the command line may override, with their help; each is a TrainConfig field.
+OVERRIDES: dict[str, tuple[type, str]] = {
+    "model": (str, "model config YAML (configs/models/*.yaml)"),
+    "strategy": (str, "auto, a preset (ddp, zero1, zero2, zero3, mics, hsdp) or p=AxB,g=CxD,os=ExF"),
+    "cluster": (str, "NODESxDEVICES (e.g. 2x4) or a cluster YAML; default: one node per process"),
+    "steps": (int, "train until this many optimizer steps are done"),
+    "global_batch": (int, "sequences per step over all devices"),
+    "seq_len": (int, "tokens per sequence"),
+    "micro_batches": (int, "micro-batches per step (gradient accumulation)"),
+    "precision": (str, "mixed (bf16 P and gradient reduction) or fp32"),
+    "remat": (str, "none, dots or full"),
+    "learning_rate": (float, "peak learning rate"),
+    "eval_every": (int, "held-out evaluation every N steps"),
+    "checkpoint_every": (int, "save a checkpoint every N steps"),
+    "keep_checkpoints": (int, "keep the newest N checkpoints"),
+    "run_dir": (str, "directory of checkpoints and metrics.jsonl; {time} becomes the start time"),
+    "seed": (int, "initialisation and data seed"),
+    "data_dtype": (str, "token dtype of raw .bin token files (uint16 or int32)"),
+    "cpu_devices": (int, "simulated devices when there is no accelerator"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `train` command's flags: a config file, overrides of its settings, and multi-process flags."""
+    parser.add_argument("--config", type=Path, help="train config YAML, e.g. configs/train/demo.yaml")
+    parser.add_argument(
+        "--data", nargs="+", help="text files or directories, JSON lines (.jsonl) or token files (.npy/.bin)"
+    )
+    for name, (kind, help_text) in OVERRIDES.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, help=help_text)
+    parser.add_argument(
+        "--resume", action="store_true", default=None, help="continue from the latest checkpoint"
+    )
+    parser.add_argument(
+        "--no-progress", dest="progress", action="store_false", default=None, help="no progress bar"
+    )
+    hosts = parser.add_argument_group(
+        "several processes (hosts); SLURM and Open MPI are detected without these"
+    )
+    hosts.add_argument("--coordinator", help="host:port of process 0")
+    hosts.add_argument("--num-processes", type=int, help="number of processes")
+    hosts.add_argument("--process-id", type=int, help="this process's index, 0 .. N-1")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Set up devices and processes, then train; a clear one-line error and exit code 2 on bad input."""
+    # Imported here, not above: Orbax takes most of a second to import, which `amsp-jax plan` need not pay.
+    from amsp_jax.checkpoint import CheckpointError
+    from amsp_jax.data import DataError
+    from amsp_jax.train import ConfigError, load_config, train
+
+    names = [*OVERRIDES, "data", "resume", "progress"]
+    try:
+        config = load_config(args.config, **{name: getattr(args, name) for name in names})
+        distributed.simulate_cpu_devices(config.cpu_devices)
+        try:
+            distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        train(config)
+    except (ConfigError, DataError, CheckpointError, StrategyError) as error:
+        print(f"amsp-jax train: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="amsp-jax train", description=__doc__)
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
