@@ -108,8 +108,8 @@ class Trainer:
         self.loss_fn = loss_fn
         self.layout = make_layout(plan.cluster, plan.strategy, devices)
         self.params_layout: ParamLayout | None = None
-        self._step: Callable[..., Any] | None = None
         self._compiled: dict[Any, Any] = {}
+        self._evaluate: Callable[..., jax.Array] | None = None
 
     # ---- state -------------------------------------------------------------------------------------
 
@@ -232,15 +232,13 @@ class Trainer:
             body, mesh=layout.mesh, in_specs=(specs("opt_state"),), out_specs=specs("params")
         )(master)
 
-    def _gradients(self, params: Any, batch: Any) -> tuple[Any, jax.Array]:
-        """Mean loss and the summed-then-averaged gradient on OS's placement, from P shards and a batch."""
+    def _micro_loss(self) -> Callable[[dict[Path, jax.Array], dict[Path, jax.Array], Any], jax.Array]:
+        """`micro_loss(sinks, P blocks, micro-batch)` for use inside shard_map: gathers P (per layer in
+        stacks), runs the user's loss, and routes gradients into the G-shaped sinks."""
         layout, pl, plan = self.layout, self.params_layout, self.plan
         assert pl is not None
-        micro_batches = plan.micro_batches
-        count = layout.cluster.num_devices * micro_batches
         reduce_dtype = jnp.dtype(plan.precision.reduce_dtype)
         remat, policy = plan.remat_policy()
-        all_axes = layout.all_axes
 
         def leaf_axes(leaf: LeafLayout, stacked: bool) -> tuple[tuple[str, ...], tuple[str, ...], int | None]:
             dim = None if leaf.dim is None else leaf.dim - int(stacked)
@@ -289,6 +287,33 @@ class Trainer:
                 loss = self.loss_fn(traverse_util.unflatten_dict(tree), micro_batch)
             return loss.astype(jnp.float32)
 
+        return micro_loss
+
+    def _sinks(self, blocks: dict[Path, jax.Array]) -> dict[Path, jax.Array]:
+        """Zero fp32 G blocks, typed varying over every axis like the gradients that land in them."""
+        pl = self.params_layout
+        assert pl is not None
+        return {
+            p: collectives.mark_varying(
+                jnp.zeros(pl.leaves[p].block_shape(self.layout, "grads"), jnp.float32), self.layout.all_axes
+            )
+            for p in blocks
+        }
+
+    def _split_micro_batches(self, local_batch: Any) -> Any:
+        micro = self.plan.micro_batches
+        return jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), local_batch)
+
+    def _gradients(self, params: Any, batch: Any) -> tuple[Any, jax.Array]:
+        """Mean loss and the summed-then-averaged gradient on OS's placement, from P shards and a batch."""
+        layout, pl, plan = self.layout, self.params_layout, self.plan
+        assert pl is not None
+        micro_batches = plan.micro_batches
+        count = layout.cluster.num_devices * micro_batches
+        reduce_dtype = jnp.dtype(plan.precision.reduce_dtype)
+        all_axes = layout.all_axes
+        micro_loss = self._micro_loss()
+
         def to_opt_state(path: Path, g_block: jax.Array) -> jax.Array:
             leaf = pl.leaves[path]
             g_axes = layout.axes("grads") if leaf.dim is not None else ()
@@ -306,16 +331,8 @@ class Trainer:
 
         def body(param_blocks: Any, local_batch: Any) -> tuple[Any, jax.Array]:
             blocks = _flatten(param_blocks)
-            split = jax.tree.map(
-                lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), local_batch
-            )
-
-            def zeros_like_grad_block(path: Path) -> jax.Array:
-                leaf = pl.leaves[path]
-                shape = leaf.block_shape(layout, "grads")
-                return collectives.mark_varying(jnp.zeros(shape, jnp.float32), all_axes)
-
-            sinks = {p: zeros_like_grad_block(p) for p in blocks}
+            split = self._split_micro_batches(local_batch)
+            sinks = self._sinks(blocks)
 
             def micro_step(
                 carry: tuple[dict[Path, jax.Array], jax.Array], micro_batch: Any
@@ -344,6 +361,36 @@ class Trainer:
             in_specs=(specs("params"), batch_specs),
             out_specs=(specs("opt_state"), P()),
         )(params, batch)
+
+    def _eval_loss(self, params: Any, batch: Any) -> jax.Array:
+        """Mean loss of a batch, forward only, gathering P as the step does (per layer in stacks)."""
+        layout, pl = self.layout, self.params_layout
+        assert pl is not None
+        micro_loss = self._micro_loss()
+        count = layout.cluster.num_devices * self.plan.micro_batches
+
+        def body(param_blocks: Any, local_batch: Any) -> jax.Array:
+            blocks = _flatten(param_blocks)
+            sinks = self._sinks(blocks)
+            losses = jax.lax.map(
+                lambda mb: micro_loss(sinks, blocks, mb), self._split_micro_batches(local_batch)
+            )
+            return jax.lax.psum(losses.sum(), layout.all_axes) / count
+
+        specs = pl.tree(lambda _, leaf: leaf.specs["params"])
+        batch_specs = jax.tree.map(lambda x: batch_spec(layout, x.ndim), batch)
+        return jax.shard_map(body, mesh=layout.mesh, in_specs=(specs, batch_specs), out_specs=P())(
+            params, batch
+        )
+
+    def evaluate(self, state: TrainState, batch: Any) -> jax.Array:
+        """Mean loss of a global batch under the current P, without gradients (e.g. held-out loss)."""
+        self.check_batch(batch)
+        if not all(isinstance(x, jax.Array) and len(x.devices()) > 1 for x in jax.tree.leaves(batch)):
+            batch = self.shard_batch(batch)
+        if self._evaluate is None:
+            self._evaluate = jax.jit(self._eval_loss, out_shardings=NamedSharding(self.layout.mesh, P()))
+        return self._evaluate(state.params, batch)
 
     def _train_step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         grads, loss = self._gradients(state.params, batch)

@@ -28,8 +28,6 @@ import numpy as np
 import optax
 import yaml
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from amsp_jax import cluster_config
@@ -279,13 +277,8 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
 
 
 def make_evaluator(trainer: Trainer) -> Callable[[TrainState, Any], jax.Array]:
-    """Held-out loss from P under plain `jit`: XLA gathers what the forward needs (no gradients)."""
-    loss = jax.jit(trainer.loss_fn, out_shardings=NamedSharding(trainer.layout.mesh, P()))
-
-    def evaluate(state: TrainState, batch: Any) -> jax.Array:
-        return loss(state.params, trainer.shard_batch(batch))
-
-    return evaluate
+    """Held-out loss: forward only, gathering P per layer as the step does."""
+    return trainer.evaluate
 
 
 # ---- the loop -----------------------------------------------------------------------------------------

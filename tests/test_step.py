@@ -214,3 +214,11 @@ def test_model_without_layer_stack_gathers_the_whole_tree_and_matches():
     assert "whole tree" in description
     assert trainer.params_layout.replicated() == [("Dense_2", "bias")]
     assert "Dense_2/bias" in description
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "p=2x1,g=4x1,os=4x2"])
+def test_evaluate_is_the_forward_loss_of_the_current_params(model, data, strategy):
+    trainer, state, _ = trained(strategy, 3)
+    params = trainer.full_params(state)
+    expected = float(make_loss_fn(model)(params, data[0]))
+    assert float(trainer.evaluate(state, data[0])) == pytest.approx(expected, rel=1e-5)
