@@ -42,7 +42,6 @@ class LayerContext:
     remat_policy: Callable[..., bool] | None
     remat: bool
     prefetch: bool = False
-    seen: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
 
 
 _CONTEXT: contextvars.ContextVar[LayerContext | None] = contextvars.ContextVar("amsp_layers", default=None)
@@ -108,7 +107,6 @@ class LayerStack(nn.Module):
             return jax.lax.scan(plain, x, stacked)[0]
 
         ops = context.stacks[path]
-        context.seen.add(path)
         sinks = context.sinks[path]
         # Short stacks stay on the checkpointed scan: XLA unrolls one- and two-trip loops, and then
         # merges the forward and backward gathers of a peeled layer (keeping it gathered).

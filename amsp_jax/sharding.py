@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from amsp_jax.space import COMPONENTS, Cluster, Strategy
@@ -174,11 +174,6 @@ def leaf_layout(layout: AxisPlan, shape: Sequence[int], stacked: bool) -> LeafLa
             entries[dim] = axes if len(axes) > 1 else axes[0]
         specs[comp] = P(*entries)
     return LeafLayout(tuple(shape), dim, specs)
-
-
-def named(layout: Layout, spec: P) -> NamedSharding:
-    """A `NamedSharding` of `spec` on the layout's mesh."""
-    return NamedSharding(layout.mesh, spec)
 
 
 def batch_spec(layout: Layout, ndim: int) -> P:
