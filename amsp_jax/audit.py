@@ -4,6 +4,12 @@ Every collective of the compiled HLO is read with its kind, bytes, replica group
 of the loops around it (`amsp_jax.hlo`), classified intra- or inter-node from the mesh's device→node
 map, and summed per kind and level. The same sums come from the cost model; `match` says whether
 they agree exactly. Scalar reductions (loss, norms) are listed but not compared.
+
+On a GPU program (`amsp_jax.gpu_target`) the audit also reads the schedule: for every collective, the
+matrix compute XLA placed between its start and done, and whether XLA made it synchronous. Each
+collective gets a phase from the JAX operation it came from (forward, backward, update) and is per-layer
+when it belongs to a layer stack; the overlap summary is the per-layer bytes that have compute to hide
+behind, and the exposed collectives by name and phase.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import Any
 import jax
 
 from amsp_jax import cost, hlo
+from amsp_jax.layers import STACK_PARAM
 from amsp_jax.sharding import AxisPlan
 
 # Compiled memory on the CPU backend vs the cost model's estimate (activations and temporaries are an
@@ -31,6 +38,8 @@ class Measured:
     levels: tuple[str, ...]
     memory_bytes: int
     memory_stats: dict[str, int]
+    overlaps: tuple[hlo.Overlap, ...] = ()  # one per collective, in the same order
+    layer_scopes: tuple[str, ...] = ()  # name scopes of the layer stacks, e.g. "layers"
 
     def model_state_collectives(self) -> list[tuple[hlo.Collective, str]]:
         """Collectives that move tensors (not scalar loss/norm reductions), with their level."""
@@ -57,6 +66,51 @@ class Measured:
         """Bytes of the scalar reductions (loss, gradient norms)."""
         return sum(hlo.bytes_per_device(c) for c in self.collectives if c.scalar)
 
+    def is_per_layer(self, c: hlo.Collective) -> bool:
+        """Whether `c` moves a layer stack's weights or gradients (any of its combined parts does)."""
+        return any(f"/{scope}/" in part for scope in self.layer_scopes for part in _parts(c.op_name))
+
+    def in_layer_loop(self, c: hlo.Collective) -> bool:
+        """Whether `c` came from inside a layer loop's body (peeled copies of the body included)."""
+        return any(
+            f"/{scope}/while/body/" in part for scope in self.layer_scopes for part in _parts(c.op_name)
+        )
+
+    def overlap_summary(self) -> dict[str, Any]:
+        """Per-layer bytes with compute between start and done vs exposed, by phase; the exposed ones."""
+        if not self.overlaps:
+            return {}
+        by_phase: dict[str, dict[str, int]] = {}
+        exposed = []
+        for (c, level), o in zip(zip(self.collectives, self.levels, strict=True), self.overlaps, strict=True):
+            size = hlo.bytes_per_device(c)
+            if c.scalar or not size:
+                continue
+            group = ("per-layer " if self.is_per_layer(c) else "") + phase_of(c.op_name)
+            totals = by_phase.setdefault(group, {"hidden": 0, "exposed": 0})
+            totals["hidden" if o.hidden else "exposed"] += size
+            if not o.hidden:
+                exposed.append(
+                    {
+                        "name": c.name,
+                        "kind": c.kind,
+                        "phase": group,
+                        "level": level,
+                        "bytes": size,
+                        "why": _why_exposed(o),
+                    }
+                )
+        per_layer = {k: v for k, v in by_phase.items() if k.startswith("per-layer")}
+        hidden = sum(v["hidden"] for v in per_layer.values())
+        total = hidden + sum(v["exposed"] for v in per_layer.values())
+        return {
+            "per_layer_bytes": total,
+            "per_layer_hidden_bytes": hidden,
+            "per_layer_hidden_fraction": round(hidden / total, 4) if total else None,
+            "by_phase": dict(sorted(by_phase.items())),
+            "exposed": sorted(exposed, key=lambda e: -e["bytes"]),
+        }
+
 
 def compiled_memory(compiled: jax.stages.Compiled) -> tuple[int, dict[str, int]]:
     """Peak bytes per device of a compiled program: arguments + outputs - donated aliases + temporaries."""
@@ -67,13 +121,37 @@ def compiled_memory(compiled: jax.stages.Compiled) -> tuple[int, dict[str, int]]
     return total, values
 
 
-def measure(compiled: jax.stages.Compiled, axes: AxisPlan) -> Measured:
-    """Read collectives and memory of a compiled program laid out on `axes`' mesh."""
+def measure(compiled: jax.stages.Compiled, axes: AxisPlan, layer_scopes: tuple[str, ...] = ()) -> Measured:
+    """Read collectives, their overlap and memory of a compiled program laid out on `axes`' mesh."""
     node_of_device = axes.node_of_device()
-    found = tuple(hlo.parse_collectives(compiled.as_text(), axes.cluster.num_devices))
+    text = compiled.as_text()
+    found = tuple(hlo.parse_collectives(text, axes.cluster.num_devices))
     levels = tuple("inter" if hlo.crosses(c, node_of_device) else "intra" for c in found)
     total, stats = compiled_memory(compiled)
-    return Measured(found, levels, total, stats)
+    by_name = hlo.overlaps(text)
+    return Measured(found, levels, total, stats, tuple(by_name[c.name] for c in found), layer_scopes)
+
+
+def _parts(op_name: str) -> list[str]:
+    """The JAX operations of a (possibly combined, `a:b:c`) collective's op_name."""
+    return op_name.split(":")
+
+
+def phase_of(op_name: str) -> str:
+    """`forward`, `backward` or `update` (after the gradient: reductions, refresh), `+`-joined if mixed."""
+    phases = {
+        "backward" if "transpose(" in part else "forward" if "jvp(" in part else "update"
+        for part in _parts(op_name)
+    }
+    return "+".join(sorted(phases))
+
+
+def _why_exposed(o: hlo.Overlap) -> str:
+    if not o.asynchronous:
+        return "synchronous collective"
+    if o.is_sync:
+        return "XLA made the pair synchronous (nothing scheduled between start and done)"
+    return f"no matrix compute between start and done ({o.other_kernels} other kernels)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +202,30 @@ class Report:
                         "executions": c.trip_count,
                         "bytes_per_device": hlo.bytes_per_device(c),
                         "scalar": c.scalar,
+                        "phase": phase_of(c.op_name),
+                        "per_layer": self.measured.is_per_layer(c),
+                        "in_layer_loop": self.measured.in_layer_loop(c),
+                        **(
+                            {
+                                "asynchronous": o.asynchronous,
+                                "is_sync": o.is_sync,
+                                "compute_between": len(o.compute),
+                                "other_kernels_between": o.other_kernels,
+                                "hidden": o.hidden,
+                            }
+                            if o
+                            else {}
+                        ),
                     }
-                    for c, level in zip(self.measured.collectives, self.measured.levels, strict=True)
+                    for c, level, o in zip(
+                        self.measured.collectives,
+                        self.measured.levels,
+                        self.measured.overlaps or (None,) * len(self.measured.collectives),
+                        strict=True,
+                    )
                 ],
             },
+            "overlap": self.measured.overlap_summary(),
             "memory": {
                 "predicted_bytes_per_device": self.predicted.memory.total,
                 "predicted_breakdown": self.predicted.memory.as_dict(),
@@ -167,12 +265,30 @@ class Report:
             f"(ratio {self.memory_ratio:.2f}, bound ±{MEMORY_TOLERANCE:.0%})"
         )
         lines.append(f"scalar reductions (loss, norms; not compared): {self.measured.scalar_bytes():,} B")
+        lines += _overlap_lines(self.measured.overlap_summary())
         lines.append("MATCH" if self.match else "MISMATCH")
         return "\n".join(lines)
 
     def dumps(self) -> str:
         """JSON text."""
         return json.dumps(self.to_json(), indent=2)
+
+
+def _overlap_lines(summary: dict[str, Any]) -> list[str]:
+    """The overlap summary as text lines (none for a program without a schedule to read)."""
+    if not summary:
+        return []
+    fraction = summary["per_layer_hidden_fraction"]
+    lines = [
+        "overlap (compute between start and done, per step and device):",
+        f"  per-layer bytes with compute to hide behind: {summary['per_layer_hidden_bytes']:,} of "
+        f"{summary['per_layer_bytes']:,}" + (f" ({fraction:.1%})" if fraction is not None else ""),
+    ]
+    for phase, totals in summary["by_phase"].items():
+        lines.append(f"  {phase:<32}hidden {totals['hidden']:>14,}  exposed {totals['exposed']:>14,}")
+    for e in summary["exposed"]:
+        lines.append(f"  exposed {e['name']:<28}{e['kind']:<16}{e['phase']:<24}{e['bytes']:>12,}  {e['why']}")
+    return lines
 
 
 def _nonzero(totals: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
@@ -209,4 +325,8 @@ def audit_trainer(trainer: Any, batch: Any, dims: cost.ModelDims, dump_hlo: str 
     if dump_hlo:
         Path(dump_hlo).write_text(compiled.as_text())
     predicted = cost.predict(trainer.layout, workload_of(trainer, batch, dims))
-    return Report(str(trainer.plan.strategy), predicted, measure(compiled, trainer.layout))
+    # A stack's parameters live under its module's path plus STACK_PARAM; ops are named by the module path.
+    scopes = tuple(
+        "/".join(stack[:-1] if stack[-1] == STACK_PARAM else stack) for stack in trainer.params_layout.stacks
+    )
+    return Report(str(trainer.plan.strategy), predicted, measure(compiled, trainer.layout, scopes))

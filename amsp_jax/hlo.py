@@ -43,6 +43,8 @@ _MESH_AXIS = re.compile(r"'([^']*)'\s*=\s*(\d+)")
 _AXIS_REF = re.compile(r"'([^']*)'(?::\((\d+)\)(\d+))?")
 # XLA prints `/*index=5*/` before every fifth element of long tuples and operand lists.
 _COMMENT = re.compile(r"/\*.*?\*/")
+_OP_NAME = re.compile(r'\bop_name="([^"]*)"')
+_IS_SYNC = re.compile(r'"is_sync"\s*:\s*true')
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class Collective:
     trip_count: int
     dtype: str
     scalar: bool = False  # every result is rank 0: loss and norm reductions, not model-state traffic
+    op_name: str = ""  # the JAX operation it came from (`metadata`); combined collectives join theirs by `:`
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class _Instruction:
     opcode: str
     operands: tuple[str, ...]
     attrs: Mapping[str, str]
+    root: bool = False
 
 
 def _end_of_group(text: str, start: int) -> int:
@@ -152,6 +156,7 @@ def _parse_instruction(text: str) -> _Instruction:
         opcode=opcode.group(1),
         operands=tuple(_split_top(text[opcode.end() : end - 1])),
         attrs=attrs,
+        root=text.lstrip().startswith("ROOT"),
     )
 
 
@@ -193,12 +198,14 @@ def _names(value: str) -> list[str]:
     return [n.strip().lstrip("%") for n in value.strip().strip("{}").split(",") if n.strip()]
 
 
-def _callees(ins: _Instruction) -> list[tuple[str, int | None]]:
+def _callees(
+    ins: _Instruction, caller: str, computations: Mapping[str, Mapping[str, _Instruction]]
+) -> list[tuple[str, int | None]]:
     """The computations `ins` runs, each with how many times per execution of `ins` (None: unknown)."""
     attrs = ins.attrs
     if ins.opcode == "while":
         trip = _TRIP_COUNT.search(attrs.get("backend_config", ""))
-        n = int(trip.group(1)) if trip else None
+        n = int(trip.group(1)) if trip else _simulated_trip_count(ins, caller, computations)
         return [(_names(attrs["body"])[0], n), (_names(attrs["condition"])[0], n)]
     if ins.opcode == "call":
         return [(_names(attrs["to_apply"])[0], 1)]
@@ -214,12 +221,120 @@ def _callees(ins: _Instruction) -> list[tuple[str, int | None]]:
     return []
 
 
+# Loops XLA's GPU passes peel or double-buffer lose `known_trip_count`; their count is then found the way
+# XLA's ComputeWhileLoopTripCount finds it when pattern matching fails: run the induction variable
+# (init from the while operand, update from the body, test from the condition) until the test fails.
+_MAX_SIMULATED_TRIPS = 100_000
+_INDUCTION_VARIABLE = re.compile(r"known_induction_variable\W*tuple_index\W*(\d+)")
+_SCALAR_SHAPE = re.compile(r"^(pred|[su](8|16|32|64))\[\]")
+_COMPARE = {
+    "LT": lambda a, b: a < b, "LE": lambda a, b: a <= b, "GT": lambda a, b: a > b,
+    "GE": lambda a, b: a >= b, "EQ": lambda a, b: a == b, "NE": lambda a, b: a != b,
+}  # fmt: skip
+_BINARY = {
+    "add": lambda a, b: a + b, "subtract": lambda a, b: a - b, "multiply": lambda a, b: a * b,
+    "minimum": min, "maximum": max, "and": lambda a, b: a & b, "or": lambda a, b: a | b,
+}  # fmt: skip
+_PASS_THROUGH = {"copy", "bitcast", "convert", "reshape"}
+# An evaluated value: a scalar, a {tuple index: value} map (a tuple, known only in part), or None (unknown).
+_Value = int | bool | dict[int, "_Value"] | None
+
+
+def _root(body: Mapping[str, _Instruction]) -> str:
+    """The name of a computation's ROOT instruction (its last one when none is marked)."""
+    return next((ins.name for ins in body.values() if ins.root), next(reversed(body)))
+
+
+def _operand_name(operand: str) -> str:
+    """`%x` or `f32[8]{0} %x` as `x`."""
+    return operand.rpartition(" ")[2].lstrip("%")
+
+
+class _ScalarEvaluator:
+    """Integer and boolean scalars of a module's instructions, given some elements of the parameters."""
+
+    def __init__(self, computations: Mapping[str, Mapping[str, _Instruction]]) -> None:
+        self.computations = computations
+
+    def value(self, comp: str, name: str, params: Mapping[int, _Value]) -> _Value:
+        ins = self.computations[comp].get(name)
+        if ins is None:
+            return None
+        operands = [_operand_name(op) for op in ins.operands]
+        if ins.opcode == "parameter":
+            return params.get(int(operands[0]))
+        if ins.opcode == "get-tuple-element":
+            return self.element(comp, operands[0], int(ins.attrs["index"]), params)
+        if ins.opcode in ("fusion", "call"):
+            callee = _names(ins.attrs["calls" if ins.opcode == "fusion" else "to_apply"])[0]
+            inner = {i: self.value(comp, op, params) for i, op in enumerate(operands)}
+            return self.value(callee, _root(self.computations[callee]), inner)
+        if not _SCALAR_SHAPE.match(ins.shape):
+            return None
+        if ins.opcode == "constant":
+            text = operands[0]
+            return text == "true" if text in ("true", "false") else int(text)
+        args = [self.value(comp, op, params) for op in operands]
+        if any(not isinstance(a, int) for a in args):  # bools are ints
+            return None
+        if ins.opcode in _PASS_THROUGH:
+            return args[0]
+        if ins.opcode == "compare":
+            return _COMPARE[ins.attrs["direction"]](*args)
+        if ins.opcode in _BINARY:
+            return _BINARY[ins.opcode](*args)
+        if ins.opcode == "not":
+            return not args[0]
+        if ins.opcode == "negate":
+            return -args[0]
+        if ins.opcode == "select":
+            return args[1] if args[0] else args[2]
+        return None
+
+    def element(self, comp: str, name: str, index: int, params: Mapping[int, _Value]) -> _Value:
+        """Element `index` of tuple `name`: only that element is evaluated."""
+        ins = self.computations[comp].get(name)
+        if ins is not None and ins.opcode == "tuple":
+            return self.value(comp, _operand_name(ins.operands[index]), params)
+        whole = self.value(comp, name, params)
+        return whole.get(index) if isinstance(whole, dict) else None
+
+
+def _simulated_trip_count(
+    ins: _Instruction, caller: str, computations: Mapping[str, Mapping[str, _Instruction]]
+) -> int | None:
+    """Trips of a while loop from its induction variable; None when it cannot be evaluated."""
+    found = _INDUCTION_VARIABLE.search(ins.attrs.get("backend_config", ""))
+    index = int(found.group(1)) if found else 0
+    body, condition = _names(ins.attrs["body"])[0], _names(ins.attrs["condition"])[0]
+    if body not in computations or condition not in computations:
+        return None
+    evaluator = _ScalarEvaluator(computations)
+    body_root, condition_root = _root(computations[body]), _root(computations[condition])
+    value = evaluator.element(caller, _operand_name(ins.operands[0]), index, {})
+    for trips in range(_MAX_SIMULATED_TRIPS + 1):
+        test = evaluator.value(condition, condition_root, {0: {index: value}})
+        if not isinstance(test, bool) or not isinstance(value, int):
+            return None
+        if not test:
+            return trips
+        following = evaluator.element(body, body_root, index, {0: {index: value}})
+        if following == value:
+            return None
+        value = following
+    return None
+
+
 def _execution_counts(
     computations: dict[str, dict[str, _Instruction]], entry: str
 ) -> tuple[dict[str, int], dict[str, str]]:
     """Executions per run of each computation reached from ENTRY; and those under loops of unknown count."""
     edges = {
-        name: [(callee, mult, ins.name) for ins in body.values() for callee, mult in _callees(ins)]
+        name: [
+            (callee, mult, ins.name)
+            for ins in body.values()
+            for callee, mult in _callees(ins, name, computations)
+        ]
         for name, body in computations.items()
     }
     order: list[str] = []
@@ -242,7 +357,7 @@ def _execution_counts(
     # Reverse post-order is topological: every caller is final before its callees get its count.
     for name in reversed(order):
         for callee, mult, via in edges[name]:
-            counts[callee] += counts[name] * (mult or 1)
+            counts[callee] += counts[name] * (1 if mult is None else mult)
             if name in unknown:
                 unknown[callee] = unknown[name]
             elif mult is None:
@@ -386,6 +501,7 @@ def _collective(
         trip_count=trip_count,
         dtype=first.group(1) if first else "",
         scalar=all(not dims.strip() for _, dims in _ARRAY.findall(output)),
+        op_name=_op_name(ins),
     )
 
 
@@ -403,7 +519,10 @@ def parse_collectives(hlo_text: str, num_devices: int) -> list[Collective]:
             if comp_name not in counts:
                 raise ValueError(f"{where} is not reached from ENTRY by while/call/conditional/fusion/async")
             if comp_name in unknown:
-                raise ValueError(f"{unknown[comp_name]} has no known_trip_count and runs {where}")
+                raise ValueError(
+                    f"{unknown[comp_name]} has no known_trip_count, its induction variable could not be "
+                    f"run to a count, and it runs {where}"
+                )
             found.append(_collective(ins, comp_name, body, counts[comp_name], num_devices))
     return found
 
@@ -429,3 +548,109 @@ def bytes_per_device(c: Collective) -> int:
 def crosses(c: Collective, node_of_device: Sequence[int]) -> bool:
     """Whether `c` links devices of two different nodes (in one replica group or one permute pair)."""
     return any(len({node_of_device[d] for d in g}) > 1 for g in c.replica_groups + c.source_target_pairs)
+
+
+def _op_name(ins: _Instruction) -> str:
+    """The `op_name` of an instruction's metadata, or ''."""
+    found = _OP_NAME.search(ins.attrs.get("metadata", ""))
+    return found.group(1) if found else ""
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """What XLA scheduled between a collective's start and done: the compute its transfer can hide behind.
+
+    `compute` names the instructions between the two that run matrix work: dot/convolution fusions (cuBLAS
+    or Triton gemms), custom calls, and loops or calls that contain them. A synchronous collective (no
+    start/done pair, or a pair XLA marked `is_sync` because it found nothing to overlap) has none.
+    """
+
+    name: str
+    computation: str
+    asynchronous: bool
+    is_sync: bool
+    compute: tuple[str, ...]
+    other_kernels: int  # other fusions and copies between start and done (elementwise work)
+
+    @property
+    def hidden(self) -> bool:
+        """Whether the transfer runs while matrix compute runs."""
+        return self.asynchronous and not self.is_sync and bool(self.compute)
+
+
+_DONE_OPCODES = {f"{kind}-done" for kind in KINDS} | {"async-done", "async-update"}
+_MATRIX_OPCODES = {"dot", "convolution", "custom-call"}
+_CALLING_OPCODES = {"fusion", "call", "while", "conditional", "async-start"}
+_KERNEL_OPCODES = {"fusion", "copy", "copy-start"}
+
+
+def _called(ins: _Instruction) -> list[str]:
+    """Every computation an instruction calls (fusions, loop bodies and conditions, branches, wrappers)."""
+    names: list[str] = []
+    for key in ("calls", "to_apply", "body", "condition", "branch_computations", "true_computation",
+                "false_computation"):  # fmt: skip
+        if key in ins.attrs and (ins.opcode in _CALLING_OPCODES or key != "to_apply"):
+            names += _names(ins.attrs[key])
+    return names
+
+
+def overlaps(hlo_text: str) -> dict[str, Overlap]:
+    """For each collective of a scheduled HLO module (by name), the compute between its start and done.
+
+    The text of a scheduled module lists each computation's instructions in execution order, so what lies
+    between a `-start` and its `-done` in that list runs while the transfer is in flight.
+    """
+    computations, _ = _parse_module(hlo_text)
+    holds: dict[str, bool] = {}
+
+    def holds_matrix_work(comp: str) -> bool:
+        if comp not in holds:
+            holds[comp] = False  # a cycle cannot occur in HLO; this only guards the recursion
+            holds[comp] = any(
+                ins.opcode in _MATRIX_OPCODES or any(holds_matrix_work(c) for c in _called(ins))
+                for ins in computations.get(comp, {}).values()
+            )
+        return holds[comp]
+
+    def is_matrix_work(ins: _Instruction) -> bool:
+        return ins.opcode in _MATRIX_OPCODES or (
+            ins.opcode in _CALLING_OPCODES and any(holds_matrix_work(c) for c in _called(ins))
+        )
+
+    # A collective wrapped in a generic async-start (`calls=%wrapped`) is timed by that wrapper.
+    wrapper_of = {
+        callee: (comp, ins)
+        for comp, body in computations.items()
+        for ins in body.values()
+        if ins.opcode == "async-start"
+        for callee in _names(ins.attrs.get("calls", ""))
+    }
+    found: dict[str, Overlap] = {}
+    for comp_name, body in computations.items():
+        for ins in body.values():
+            if ins.opcode not in _COLLECTIVE_OPCODES:
+                continue
+            start, where = ins, comp_name
+            if ins.opcode not in _START_OPCODES and comp_name in wrapper_of:
+                where, start = wrapper_of[comp_name]
+            if start.opcode not in _START_OPCODES and start.opcode != "async-start":
+                found[ins.name] = Overlap(ins.name, comp_name, False, True, (), 0)
+                continue
+            order = list(computations[where].values())
+            position = order.index(start)
+            chain = {start.name}
+            end = position
+            for later in order[position + 1 :]:
+                end += 1
+                if later.opcode in _DONE_OPCODES and _operand_name(later.operands[0]) in chain:
+                    chain.add(later.name)
+                    if later.opcode != "async-update":
+                        break
+            else:
+                end = position  # the done is elsewhere (carried through a loop): nothing known to overlap
+            between = order[position + 1 : end]
+            compute = tuple(b.name for b in between if is_matrix_work(b))
+            kernels = sum(1 for b in between if b.opcode in _KERNEL_OPCODES and not is_matrix_work(b))
+            is_sync = bool(_IS_SYNC.search(start.attrs.get("backend_config", "")))
+            found[ins.name] = Overlap(ins.name, comp_name, True, is_sync, compute, kernels)
+    return found

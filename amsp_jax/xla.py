@@ -11,13 +11,19 @@ nothing is set: there is no asynchronous collective stream to schedule.
 
 from __future__ import annotations
 
+import os
+
 _MIB = 1 << 20
+# A file where XLA keeps the GPU kernels it built, so that compiling many plans of one model (the audit
+# tests, benchmarks/gpu_compiled.py) builds each kernel once; kernels do not change the scheduled program.
+KERNEL_CACHE_ENV = "AMSP_JAX_GPU_KERNEL_CACHE"
 
 
 def gpu_options(layer_bytes: int = 0) -> dict[str, object]:
     """The GPU compiler options; combine thresholds are at least one layer's bytes."""
     combine = max(layer_bytes, 64 * _MIB)
-    return {
+    cache = os.environ.get(KERNEL_CACHE_ENV)
+    return ({"xla_gpu_kernel_cache_file": cache} if cache else {}) | {
         "xla_gpu_enable_latency_hiding_scheduler": True,
         "xla_gpu_enable_highest_priority_async_stream": True,
         "xla_gpu_enable_while_loop_double_buffering": True,

@@ -9,7 +9,14 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from amsp_jax.hlo import Collective, bytes_per_device, crosses, expand_replica_groups, parse_collectives
+from amsp_jax.hlo import (
+    Collective,
+    bytes_per_device,
+    crosses,
+    expand_replica_groups,
+    overlaps,
+    parse_collectives,
+)
 
 ADD = """
 %add (x: f32[], y: f32[]) -> f32[] {
@@ -484,3 +491,143 @@ def test_real_compiled_shard_map_program():
     node_of_device = [d // 4 for d in range(8)]
     assert not crosses(ag, node_of_device)
     assert crosses(rs, node_of_device)
+
+
+def _peeled_loop(init: str, bound: int, direction: str) -> str:
+    """A loop shaped as XLA's GPU passes leave it: no known_trip_count, fused compare and add."""
+    return f"""
+%fused_compare (p0: s32[]) -> pred[] {{
+  %p0 = s32[] parameter(0)
+  %bound = s32[] constant({bound})
+  ROOT %test = pred[] compare(%p0, %bound), direction={direction}
+}}
+
+%cond (c: (s32[], f32[8])) -> pred[] {{
+  %c = (s32[], f32[8]{{0}}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  ROOT %cf = pred[] fusion(%ci), kind=kLoop, calls=%fused_compare
+}}
+
+%fused_add (p0: s32[]) -> s32[] {{
+  %p0 = s32[] parameter(0)
+  %two = s32[] constant(2)
+  ROOT %sum = s32[] add(%p0, %two)
+}}
+
+%body (b: (s32[], f32[8])) -> (s32[], f32[8]) {{
+  %b = (s32[], f32[8]{{0}}) parameter(0)
+  %bi = s32[] get-tuple-element(%b), index=0
+  %bv = f32[8]{{0}} get-tuple-element(%b), index=1
+  %ag = f32[32]{{0}} all-gather(%bv), channel_id=1, replica_groups=[1,4]<=[4], dimensions={{0}}
+  %bc = s32[] copy(%bi)
+  %next = s32[] fusion(%bc), kind=kLoop, calls=%fused_add
+  ROOT %bt = (s32[], f32[8]{{0}}) tuple(%next, %bv)
+}}
+
+ENTRY %main (p: f32[8], q: s32[]) -> f32[8] {{
+  %p = f32[8]{{0}} parameter(0)
+  %q = s32[] parameter(1)
+  %start = s32[] {init}
+  %first = s32[] copy(%start)
+  %tup = (s32[], f32[8]{{0}}) tuple(%first, %p)
+  %w = (s32[], f32[8]{{0}}) while(%tup), condition=%cond, body=%body,
+      backend_config={{"known_induction_variable":{{"tuple_index":"0"}}}}
+  ROOT %out = f32[8]{{0}} get-tuple-element(%w), index=1
+}}
+"""
+
+
+@pytest.mark.parametrize(
+    ("init", "bound", "direction", "trips"),
+    [(1, 5, "LT", 2), (0, 5, "LT", 3), (0, 4, "LE", 3), (2, 9, "NE", None), (6, 5, "LT", 0), (1, 3, "NE", 1)],
+)
+def test_trip_count_without_known_trip_count_runs_the_induction_variable(init, bound, direction, trips):
+    # Counted by hand: i = init, init + 2, ... while `i direction bound`; NE from 2 to 9 by 2 never stops.
+    text = _peeled_loop(f"constant({init})", bound, direction)
+    if trips is None:
+        with pytest.raises(ValueError, match=r"'w'.*no known_trip_count.*'ag'"):
+            parse_collectives(text, 4)
+        return
+    [ag] = parse_collectives(text, 4)
+    assert ag.trip_count == trips
+
+
+def test_trip_count_with_an_unknown_init_raises():
+    with pytest.raises(ValueError, match=r"while loop 'w'.*no known_trip_count.*all-gather 'ag'"):
+        parse_collectives(_peeled_loop("copy(%q)", 5, "LT"), 4)
+
+
+SCHEDULED = """
+%gemm (x: bf16[8,8], y: bf16[8,8]) -> bf16[8,8] {
+  %x = bf16[8,8]{1,0} parameter(0)
+  %y = bf16[8,8]{1,0} parameter(1)
+  ROOT %d = bf16[8,8]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%scale (x: bf16[8,8]) -> bf16[8,8] {
+  %x = bf16[8,8]{1,0} parameter(0)
+  ROOT %m = bf16[8,8]{1,0} multiply(%x, %x)
+}
+
+%add (x: bf16[], y: bf16[]) -> bf16[] {
+  %x = bf16[] parameter(0)
+  %y = bf16[] parameter(1)
+  ROOT %s = bf16[] add(%x, %y)
+}
+
+ENTRY %main (p: bf16[2,8], q: bf16[8,8]) -> bf16[8,8] {
+  %p = bf16[2,8]{1,0} parameter(0)
+  %q = bf16[8,8]{1,0} parameter(1)
+  %ags = (bf16[2,8]{1,0}, bf16[8,8]{1,0}) all-gather-start(%p), channel_id=1, replica_groups={{0,1,2,3}},
+      dimensions={0}, backend_config={"is_sync":false}
+  %f = bf16[8,8]{1,0} fusion(%q, %q), kind=kCustom, calls=%gemm
+  %agd = bf16[8,8]{1,0} all-gather-done(%ags)
+  %rss = ((bf16[8,8]{1,0}), bf16[2,8]{1,0}) reduce-scatter-start(%f), channel_id=2,
+      replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add, backend_config={"is_sync":true}
+  %rsd = bf16[2,8]{1,0} reduce-scatter-done(%rss)
+  %ags2 = (bf16[2,8]{1,0}, bf16[8,8]{1,0}) all-gather-start(%rsd), channel_id=3,
+      replica_groups={{0,1,2,3}}, dimensions={0}, backend_config={"is_sync":false}
+  %e = bf16[8,8]{1,0} fusion(%agd), kind=kLoop, calls=%scale
+  %agd2 = bf16[8,8]{1,0} all-gather-done(%ags2)
+  ROOT %ar = bf16[8,8]{1,0} all-reduce(%agd2), channel_id=4, replica_groups={{0,1,2,3}}, to_apply=%add
+}
+"""
+
+
+def test_overlaps_read_the_schedule_between_start_and_done():
+    found = overlaps(SCHEDULED)
+    assert set(found) == {"ags", "rss", "ags2", "ar"}
+    assert (found["ags"].compute, found["ags"].is_sync, found["ags"].hidden) == (("f",), False, True)
+    # XLA marked it synchronous: nothing runs beside it, whatever the text order says.
+    assert (found["rss"].compute, found["rss"].is_sync, found["rss"].hidden) == ((), True, False)
+    # Only elementwise work between: counted, but not matrix compute to hide behind.
+    assert (found["ags2"].compute, found["ags2"].other_kernels, found["ags2"].hidden) == ((), 1, False)
+    assert (found["ar"].asynchronous, found["ar"].hidden) == (False, False)
+
+
+def test_overlaps_of_an_async_wrapper_and_of_a_loop_holding_compute():
+    wrapped = ASYNC.replace(
+        "ROOT %wrd = f32[4,4]{1,0} async-done(%wru), calls=%wrapped_rs",
+        "%loop = f32[16,4]{1,0} call(%p), to_apply=%holds_dot\n"
+        "  ROOT %wrd = f32[4,4]{1,0} async-done(%wru), calls=%wrapped_rs",
+    ).replace(
+        "%wrs = ((f32[16,4]{1,0}), f32[4,4]{1,0}, s32[]) async-start(%p), calls=%wrapped_rs",
+        "%wrs = ((f32[16,4]{1,0}), f32[4,4]{1,0}, s32[]) async-start(%p), calls=%wrapped_rs\n"
+        "  %between = f32[16,4]{1,0} call(%p), to_apply=%holds_dot",
+    )
+    wrapped = (
+        """
+%holds_dot (x: f32[16,4]) -> f32[16,4] {
+  %x = f32[16,4]{1,0} parameter(0)
+  %xt = f32[4,16]{0,1} transpose(%x), dimensions={1,0}
+  %sq = f32[16,16]{1,0} dot(%x, %xt), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %back = f32[16,4]{1,0} slice(%sq), slice={[0:16], [0:4]}
+}
+"""
+        + wrapped
+    )
+    found = overlaps(wrapped)
+    # The reduce-scatter inside %wrapped_rs is timed by its wrapper's start/update/done in ENTRY.
+    assert found["rs"].computation == "wrapped_rs"
+    assert found["rs"].compute == ("between", "loop")
+    assert found["rs"].hidden

@@ -1,14 +1,38 @@
-"""`amsp-jax audit`: compile the real step for a plan and check its collectives and memory."""
+"""`amsp-jax audit`: compile the real step for a plan and check its collectives and memory.
+
+Without `--target` the step is compiled for the devices at hand (simulated CPU devices by default); with
+`--target h100-sxm` (or `a100-sxm-80`, or a GpuTargetConfigProto file) it is compiled for a cluster of
+those GPUs, `--nodes` hosts of `--devices-per-node` each, on this machine, no GPU needed.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+
+class _GpuTarget(argparse.Action):
+    """`--target`: this process only compiles, so JAX must not try to load CUDA (see `gpu_target`)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:  # fmt: skip
+        setattr(namespace, self.dest, values)
+        if not os.environ.get("JAX_PLATFORMS"):
+            import jax
+
+            # Set before anything (the device-count check, say) starts JAX's backends.
+            jax.config.update("jax_platforms", "cpu")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `amsp-jax audit`."""
     parser.add_argument("--model", required=True, help="model config, e.g. configs/models/tiny.yaml")
+    parser.add_argument(
+        "--target",
+        action=_GpuTarget,
+        help="compile for a GPU cluster instead of the local devices: h100-sxm, a100-sxm-80 or a .txtpb file",
+    )
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--devices-per-node", type=int, default=4)
     parser.add_argument("--strategy", default="zero3", help="preset name or p=AxB,g=AxB,os=AxB")
@@ -28,14 +52,21 @@ def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
     import optax
 
-    from amsp_jax import audit, cost
+    from amsp_jax import audit, cost, gpu_target
     from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
     from amsp_jax.plan import Plan
     from amsp_jax.space import PRESETS, Cluster, Strategy, preset
     from amsp_jax.step import Trainer
 
+    devices = None
+    if args.target:
+        try:
+            devices = gpu_target.topology(args.target, args.nodes, args.devices_per_node)
+        except gpu_target.TargetError as e:
+            print(f"amsp-jax audit: {e}", file=sys.stderr)
+            return 2
     config = LlamaConfig.from_yaml(args.model)
-    cluster = Cluster(args.nodes, args.devices_per_node, name="audit")
+    cluster = Cluster(args.nodes, args.devices_per_node, name=args.target or "audit")
     plan = Plan(
         cluster,
         preset(args.strategy, cluster) if args.strategy in PRESETS else Strategy.parse(args.strategy),
@@ -45,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         allow_partial_nodes=args.allow_partial_nodes,
     )
     model = Llama(config)
-    trainer = Trainer(plan, model, optax.adamw(1e-4), make_loss_fn(model))
+    trainer = Trainer(plan, model, optax.adamw(1e-4), make_loss_fn(model), devices=devices)
     seq_len = args.seq_len or config.max_seq_len
     global_batch = cluster.num_devices * args.micro_batches * args.micro_batch_size
     tokens = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32)
