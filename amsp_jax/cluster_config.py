@@ -35,6 +35,7 @@ from typing import Any
 
 import yaml
 
+from amsp_jax.errors import one_line
 from amsp_jax.space import Cluster
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce")
@@ -171,9 +172,13 @@ def _number(section: Mapping[str, Any], key: str, where: str, default: float | N
     if value is None:
         raise ClusterConfigError(f"{where}: missing {key!r}")
     try:
+        if isinstance(value, bool):
+            raise TypeError(value)
         number = float(value)
     except (TypeError, ValueError) as error:
         raise ClusterConfigError(f"{where}: {key} = {value!r} is not a number") from error
+    if not math.isfinite(number):
+        raise ClusterConfigError(f"{where}: {key} = {value!r} is not a finite number")
     if number <= 0:
         raise ClusterConfigError(f"{where}: {key} must be positive, got {number}")
     return number
@@ -181,6 +186,12 @@ def _number(section: Mapping[str, Any], key: str, where: str, default: float | N
 
 def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> ClusterConfig:
     """A `ClusterConfig` from the parsed YAML mapping."""
+    for section in ("device", "overlap", "bandwidth"):
+        if not isinstance(values.get(section) or {}, Mapping):
+            raise ClusterConfigError(f"{where}: {section} must be a mapping, got {values[section]!r}")
+    for kind, levels in (values.get("bandwidth") or {}).items():
+        if not isinstance(levels or {}, Mapping):
+            raise ClusterConfigError(f"{where}: bandwidth.{kind} must map intra/inter to [size, GB/s] rows")
     device = values.get("device") or {}
     overlap = values.get("overlap") or {}
     tables: dict[tuple[str, str], BandwidthTable] = {}
@@ -194,8 +205,11 @@ def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> Clust
     missing = [f"{k}.{lv}" for k in KINDS for lv in LEVELS if (k, lv) not in tables]
     if missing:
         raise ClusterConfigError(f"{where}: no bandwidth table for {', '.join(missing)}")
-    fraction = float(overlap.get("reduction_fraction", 0.5))
-    interference = float(overlap.get("interference", 0.0))
+    try:
+        fraction = float(overlap.get("reduction_fraction", 0.5))
+        interference = float(overlap.get("interference", 0.0))
+    except (TypeError, ValueError):
+        raise ClusterConfigError(f"{where}: overlap fractions must be numbers, got {dict(overlap)}") from None
     if not (0 <= fraction <= 1 and 0 <= interference <= 1):
         raise ClusterConfigError(f"{where}: overlap fractions must lie in [0, 1], got {dict(overlap)}")
     return ClusterConfig(
@@ -210,7 +224,7 @@ def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> Clust
         reduction_overlap=fraction,
         overlap_interference=interference,
         bandwidth=tables,
-        collective_min_itemsize=int(values.get("collective_min_itemsize", 1)),
+        collective_min_itemsize=int(_number(values, "collective_min_itemsize", where, 1)),
         device_name=str(device.get("name", "")),
     )
 
@@ -223,9 +237,12 @@ def load(path: str | Path) -> ClusterConfig:
     if not path.is_file():
         known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
         raise ClusterConfigError(f"cluster config {path} does not exist; known in {CONFIG_DIR}: {known}")
-    values = yaml.safe_load(path.read_text()) or {}
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ClusterConfigError(f"{path} is not valid YAML ({one_line(error)}); fix its syntax") from None
     if not isinstance(values, dict):
-        raise ClusterConfigError(f"{path} is not a mapping")
+        raise ClusterConfigError(f"{path} is not a mapping of cluster settings (name, nodes, device, ...)")
     return from_dict(values, str(path))
 
 

@@ -13,10 +13,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from amsp_jax.errors import AmspError, one_line
 
 BYTE_VOCAB = 256
 TOKEN_SUFFIXES = (".npy", ".bin")
@@ -24,7 +27,7 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 TOKEN_DTYPES = ("uint16", "int32")
 
 
-class DataError(ValueError):
+class DataError(AmspError):
     """Training data that cannot be read or does not fit the run."""
 
 
@@ -38,6 +41,8 @@ class Corpus:
     """256 for byte-level text; None for token files (the model's vocabulary must cover them)."""
     source: str
     documents: int
+    largest_token: int = BYTE_VOCAB - 1
+    """The largest token id in the data (the model's vocabulary must exceed it)."""
 
     def describe(self) -> str:
         """One line: where the tokens come from and how they are split."""
@@ -66,7 +71,7 @@ def _files_under(path: Path) -> list[Path]:
 def _json_documents(path: Path) -> list[np.ndarray]:
     documents = []
     with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
+        for number, line in _numbered_lines(path, lines):
             if not line.strip():
                 continue
             try:
@@ -81,9 +86,27 @@ def _json_documents(path: Path) -> list[np.ndarray]:
     return documents
 
 
+def _numbered_lines(path: Path, lines: Any) -> Iterator[tuple[int, str]]:
+    try:
+        yield from enumerate(lines, 1)
+    except UnicodeDecodeError as error:
+        raise DataError(
+            f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); JSON lines must be text, "
+            "and token files end in .npy or .bin"
+        ) from None
+
+
 def _token_file(path: Path, dtype: str) -> np.ndarray:
+    if path.stat().st_size == 0:
+        return np.zeros((0,), np.int32)
     if path.suffix == ".npy":
-        tokens = np.load(path, mmap_mode="r")
+        try:
+            tokens = np.load(path, mmap_mode="r")
+        except (ValueError, OSError, EOFError) as error:
+            raise DataError(
+                f"{path} is not a NumPy .npy array ({one_line(error)}); write token ids with numpy.save, "
+                "or give raw uint16/int32 tokens as a .bin file"
+            ) from None
     else:
         if dtype not in TOKEN_DTYPES:
             raise DataError(f"token dtype {dtype!r} is not supported; use one of {TOKEN_DTYPES}")
@@ -96,6 +119,8 @@ def _token_file(path: Path, dtype: str) -> np.ndarray:
         tokens = np.memmap(path, dtype=dtype, mode="r")
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
         raise DataError(f"{path} holds {tokens.dtype} of shape {tokens.shape}; a token file is 1-D integers")
+    if len(tokens) and tokens.min() < 0:
+        raise DataError(f"{path} holds negative token ids (e.g. {tokens.min()}); token ids start at 0")
     return tokens
 
 
@@ -147,7 +172,10 @@ def load_corpus(
     if not documents:
         raise DataError(f"{source} holds no tokens")
     train, held_out = _split(documents, held_out_every)
-    return Corpus(train, held_out, None if token_files else BYTE_VOCAB, source, len(documents))
+    # One pass over the tokens (memory-mapped files included), so that ids outside the model's
+    # vocabulary fail before the run writes anything instead of at the step that draws them.
+    largest = max(int(d.max()) for d in documents) if token_files else BYTE_VOCAB - 1
+    return Corpus(train, held_out, None if token_files else BYTE_VOCAB, source, len(documents), largest)
 
 
 def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:

@@ -17,6 +17,7 @@ collectives (`examples/multiprocess_cpu.sh`):
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 
 import jax
@@ -94,6 +95,15 @@ def initialize(
     explicit = coordinator is not None
     if explicit and (num_processes is None or process_id is None):
         raise ValueError("--coordinator needs --num-processes and --process-id as well")
+    if explicit and not re.fullmatch(r"\[?[^\s/]+\]?:\d{1,5}", coordinator):
+        raise ValueError(
+            f"--coordinator {coordinator!r} is not host:port, e.g. 10.0.0.1:1234 (process 0's address)"
+        )
+    if explicit and not (num_processes >= 1 and 0 <= process_id < num_processes):
+        raise ValueError(
+            f"--process-id {process_id} is not one of 0 .. {num_processes - 1} (--num-processes "
+            f"{num_processes}); number the processes from 0"
+        )
     if not explicit and (num_processes is not None or process_id is not None):
         raise ValueError(
             "--num-processes and --process-id need --coordinator host:port (process 0's address)"

@@ -5,8 +5,11 @@ written when the data is missing), builds the plan for the devices at hand, rest
 checkpoint when resuming (onto this plan, whatever plan saved it), prints the plan, then steps with a
 progress bar, writes every metric as a JSON line to `metrics.jsonl`, evaluates on the held-out split
 every `eval_every` steps, saves asynchronously every `checkpoint_every` steps and once more at the end,
-and on SIGTERM saves and returns cleanly. The training batch of step i is a pure function of the data
-RNG and i, so a resumed run sees exactly the batches the uninterrupted run would have seen.
+and on SIGTERM saves and returns cleanly. A step whose loss or gradient norm is not finite changes
+nothing but the step counter (`Trainer.step`); it is logged as skipped, and `stop_after_bad_steps` of
+them in a row stop the run with a `DivergedError`, the newest checkpoint untouched. The training batch
+of step i is a pure function of the data RNG and i, so a resumed run sees exactly the batches the
+uninterrupted run would have seen.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from amsp_jax import data as data_lib
 from amsp_jax.checkpoint import Checkpointer, CheckpointError
 from amsp_jax.cluster_config import ClusterConfig
 from amsp_jax.distributed import is_primary
+from amsp_jax.errors import AmspError, check_field_types, one_line
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
-from amsp_jax.plan import Plan
+from amsp_jax.plan import REMAT_POLICIES, Plan
 from amsp_jax.space import COMPONENTS, Cluster, Strategy, resolve, zero3
 from amsp_jax.step import Trainer, TrainState
 
@@ -44,8 +48,12 @@ METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 
 
-class ConfigError(ValueError):
+class ConfigError(AmspError):
     """A train config that cannot be run as written."""
+
+
+class DivergedError(RuntimeError):
+    """Training stopped: the loss or gradient norm stayed non-finite for too many steps in a row."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,28 +101,94 @@ class TrainConfig:
     resume: bool = False
     """Continue from the latest checkpoint in `run_dir` (an error if there is none)."""
     progress: bool = True
+    stop_after_bad_steps: int = 5
+    """A step whose loss or gradient norm is not finite leaves the state as it was (it is skipped and
+    counted in the metrics); this many such steps in a row stop the run with an error."""
+
+
+# Allowed values of the settings that take a name, and the least value of the counting settings.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "precision": ("mixed", "fp32"),
+    "remat": REMAT_POLICIES,
+    "data_dtype": data_lib.TOKEN_DTYPES,
+}
+AT_LEAST: dict[str, int] = {
+    "held_out_every": 2,
+    "seq_len": 1,
+    "global_batch": 1,
+    "steps": 1,
+    "cpu_devices": 1,
+    "micro_batches": 1,
+    "warmup_steps": 0,
+    "decay_steps": 1,
+    "eval_every": 1,
+    "eval_batches": 1,
+    "checkpoint_every": 1,
+    "keep_checkpoints": 1,
+    "stop_after_bad_steps": 1,
+}
+POSITIVE = ("learning_rate", "grad_clip", "adam_eps")
+
+
+def check_config(values: dict[str, Any], where: str = "") -> None:
+    """Raise a ConfigError naming `where` (a file) and the key when a setting has the wrong type or range."""
+    check_field_types(TrainConfig, values, where, ConfigError)
+    where = f"{where}: " if where else ""
+    for key, least in AT_LEAST.items():
+        if values.get(key) is not None and values[key] < least:
+            raise ConfigError(f"{where}{key} must be at least {least}, got {values[key]}")
+    for key in POSITIVE:
+        if key in values and not 0 < values[key] < math.inf:
+            raise ConfigError(f"{where}{key} must be a positive number, got {values[key]}")
+    if "weight_decay" in values and not 0 <= values["weight_decay"] < math.inf:
+        raise ConfigError(f"{where}weight_decay must be zero or positive, got {values['weight_decay']}")
+    for key, allowed in CHOICES.items():
+        if key in values and values[key] not in allowed:
+            raise ConfigError(f"{where}{key} {values[key]!r} is not one of {', '.join(allowed)}")
+    data = values.get("data", ())
+    if not isinstance(data, tuple) or not all(isinstance(d, str) for d in data):
+        raise ConfigError(f"{where}data must be a path or a list of paths, got {values.get('data')!r}")
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig:
     """A TrainConfig from a YAML file (optional) with `overrides` (None values ignored) on top."""
     values: dict[str, Any] = {}
+    where = "train config"
     if path is not None:
         path = Path(path)
+        where = str(path)
         if not path.is_file():
             raise ConfigError(f"train config {path} does not exist; e.g. configs/train/demo.yaml")
-        values = yaml.safe_load(path.read_text()) or {}
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as error:
+            raise ConfigError(f"{path} is not valid YAML ({one_line(error)}); fix its syntax") from None
         if not isinstance(values, dict):
-            raise ConfigError(f"{path} is not a mapping of train settings")
-    values.update({k: v for k, v in overrides.items() if v is not None})
+            raise ConfigError(f"{path} is not a mapping of train settings (e.g. steps: 100)")
+    given = {k: v for k, v in overrides.items() if v is not None}
     known = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(values) - known)
+    unknown = sorted(set(values) - known, key=str)
+    if unknown:
+        raise ConfigError(f"{where}: unknown train settings {unknown}; known: {sorted(known)}")
+    unknown = sorted(set(given) - known, key=str)
     if unknown:
         raise ConfigError(f"unknown train settings {unknown}; known: {sorted(known)}")
-    if isinstance(values.get("data"), str):
-        values["data"] = (values["data"],)
-    if "data" in values:
-        values["data"] = tuple(str(d) for d in values["data"])
-    return TrainConfig(**values)
+    values, given = _normal_data(values), _normal_data(given)
+    check_config(values, where)
+    check_config(given, "")
+    return TrainConfig(**{**values, **given})
+
+
+def _normal_data(values: dict[str, Any]) -> dict[str, Any]:
+    """`data` as a tuple: one path, a list of paths, or left out when empty (None)."""
+    data = values.get("data")
+    if data is None:
+        return {k: v for k, v in values.items() if k != "data"}
+    if isinstance(data, str):
+        return {**values, "data": (data,)}
+    if isinstance(data, list | tuple):
+        return {**values, "data": tuple(data)}
+    return values
 
 
 # ---- plan ---------------------------------------------------------------------------------------------
@@ -147,6 +221,11 @@ def choose_cluster(spec: str | None, devices: Sequence[jax.Device]) -> tuple[Clu
         return cluster, hardware.with_shape(cluster.nodes)
     if spec:
         nodes, per_node = (int(n) for n in spec.lower().split("x"))
+        if nodes * per_node != len(devices):
+            raise ConfigError(
+                f"cluster {spec} has {nodes * per_node} devices but this run has {len(devices)}; give "
+                "NODESxDEVICES that multiply to the device count (or set cpu_devices on the CPU)"
+            )
         return Cluster(nodes, per_node, "given"), None
     simulated = devices[0].platform == "cpu"
     if simulated and len({d.process_index for d in devices}) == 1 and len(devices) % 2 == 0:
@@ -378,6 +457,12 @@ def _read_inputs(config: TrainConfig) -> tuple[data_lib.Corpus, LlamaConfig]:
             f"the data has {corpus.vocab_size} token ids but {config.model} a vocabulary of "
             f"{model.vocab_size}; use a model with vocab_size >= {corpus.vocab_size}"
         )
+    if corpus.largest_token >= model.vocab_size:
+        raise data_lib.DataError(
+            f"the data ({corpus.source}) holds token id {corpus.largest_token}, outside the vocabulary of "
+            f"{model.vocab_size} of {config.model}; use a model with vocab_size > {corpus.largest_token}, "
+            f"or check the token dtype (data_dtype {config.data_dtype})"
+        )
     if config.seq_len > model.max_seq_len:
         raise ConfigError(f"seq_len {config.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
     data_lib.check_fits(corpus.train, config.seq_len, "training")
@@ -390,6 +475,23 @@ def setup(config: TrainConfig, devices: Sequence[jax.Device] | None = None) -> _
     corpus, model_config = _read_inputs(config)
     run_dir = _run_dir(config.run_dir)
     checkpoints = Checkpointer(run_dir / CHECKPOINT_DIR, keep=config.keep_checkpoints)
+    try:
+        return _setup(config, corpus, model_config, run_dir, checkpoints, devices)
+    except BaseException:
+        # Orbax's manager runs a background event loop: close it here, or the interpreter's exit
+        # prints "Event loop is closed" tracebacks after the error.
+        checkpoints.close()
+        raise
+
+
+def _setup(
+    config: TrainConfig,
+    corpus: data_lib.Corpus,
+    model_config: LlamaConfig,
+    run_dir: Path,
+    checkpoints: Checkpointer,
+    devices: Sequence[jax.Device] | None,
+) -> _Setup:
     if config.resume:
         checkpoints.read_meta()  # no checkpoint, or unreadable metadata: fail before any work
     elif checkpoints.steps():
@@ -397,7 +499,6 @@ def setup(config: TrainConfig, devices: Sequence[jax.Device] | None = None) -> _
             f"{checkpoints.directory} already holds checkpoints (steps {checkpoints.steps()}); pass "
             "--resume to continue that run, or choose another --run-dir"
         )
-
     devices = list(devices if devices is not None else jax.devices())
     cluster, hardware = choose_cluster(config.cluster, devices)
     choice = choose_plan(model_config, cluster, hardware, config)
@@ -521,6 +622,7 @@ def _loop(run: _Setup, primary: bool, out: TextIO) -> tuple[dict[int, float], di
         total=config.steps, initial=start, disable=not (config.progress and primary), dynamic_ncols=True
     )
     clock = {"step": start, "time": time.perf_counter()}
+    bad = {"run": 0, "total": 0}
 
     def log(record: dict[str, Any]) -> None:
         if metrics_file is not None:
@@ -528,7 +630,11 @@ def _loop(run: _Setup, primary: bool, out: TextIO) -> tuple[dict[int, float], di
             metrics_file.flush()
 
     def record(step: int, metrics: dict[str, jax.Array]) -> None:
-        loss = float(metrics["loss"])
+        loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+        # The step skips its update exactly when one of these is not finite (`Trainer` docstring).
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        bad["total"] += skipped
+        bad["run"] = bad["run"] + 1 if skipped else 0
         now = time.perf_counter()
         # The first step of a process includes compilation: no rate for it.
         rate = (
@@ -542,18 +648,38 @@ def _loop(run: _Setup, primary: bool, out: TextIO) -> tuple[dict[int, float], di
         log(
             {
                 "step": step,
-                "loss": loss,
-                "grad_norm": float(metrics["grad_norm"]),
+                # JSON has no NaN or infinity: a non-finite value is written as null.
+                "loss": loss if math.isfinite(loss) else None,
+                "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
+                "skipped": skipped,
+                "skipped_total": bad["total"],
                 "tokens_per_s": rate,
                 "mfu": mfu,
                 "time": time.time(),
             }
         )
         speed = f"{rate:,.0f} tok/s" if rate else "compiling"
+        skips = f", {bad['total']} skipped" if bad["total"] else ""
         bar.set_postfix_str(
-            f"loss {loss:.4f}, {speed}, MFU " + (f"{mfu:.1%}" if mfu else "n/a"), refresh=False
+            f"loss {loss:.4f}, {speed}, MFU " + (f"{mfu:.1%}" if mfu else "n/a") + skips, refresh=False
         )
         bar.update(step - bar.n)
+        if skipped and primary:
+            bar.write(
+                f"step {step}: loss {loss} / gradient norm {grad_norm} not finite; update skipped "
+                f"({bad['run']} in a row, stop at {config.stop_after_bad_steps})",
+                file=out,
+            )
+        if bad["run"] >= config.stop_after_bad_steps:
+            run.checkpoints.wait()
+            saved = run.checkpoints.steps()
+            newest = f"step {saved[-1]} in {run.checkpoints.directory}" if saved else "none saved yet"
+            raise DivergedError(
+                f"the loss or gradient norm was not finite for {bad['run']} steps in a row (steps "
+                f"{step - bad['run'] + 1}-{step}), each skipped, so training stopped; the newest "
+                f"checkpoint ({newest}) holds the last good state: resume from it with a lower "
+                "learning_rate or grad_clip, or check the data of those steps"
+            )
 
     def run_eval(step: int) -> None:
         loss = float(np.mean([float(evaluate(run.state, batch)) for batch in held_out]))

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
-from amsp_jax.cluster_config import ClusterConfigError
 from amsp_jax.partitioner import (
     GIB,
     Evaluated,
-    PlanError,
     alternatives,
     best_batching,
     build_terms,
@@ -20,7 +17,7 @@ from amsp_jax.partitioner import (
     plan,
 )
 from amsp_jax.plan import REMAT_POLICIES
-from amsp_jax.space import StrategyError, resolve
+from amsp_jax.space import resolve
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,31 +84,31 @@ def format_table(rows: list[list[str]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Plan (or evaluate `--strategy`), print the chosen plan beside the presets; 2 when nothing fits."""
-    try:
-        request = make_request(
-            args.model,
-            args.cluster,
-            args.nodes,
-            seq_len=args.seq_len,
-            global_batch_tokens=args.global_batch_tokens,
-            precision=args.precision,
-            micro_batch_size=args.micro_batch_size,
-            remat=args.remat,
-        )
-        start = time.perf_counter()
-        terms = build_terms(request)
-        if args.strategy:
-            strategy = resolve(args.strategy, request.cluster.cluster())
-            c = best_batching(terms, strategy)
-            chosen = evaluate(request, strategy, c.micro_batch_size, c.remat)
-        else:
-            chosen = plan(request, terms)
-        solve_time = time.perf_counter() - start
-        rows = alternatives(terms)
-    except (PlanError, StrategyError, ClusterConfigError, FileNotFoundError) as error:
-        print(f"amsp-jax plan: {error}", file=sys.stderr)
-        return 2
+    """Plan (or evaluate `--strategy`), print the chosen plan beside the presets.
+
+    Errors (nothing fits, a bad strategy or config) propagate to `amsp_jax.cli.main`, which prints them
+    as one line and exits with code 2.
+    """
+    request = make_request(
+        args.model,
+        args.cluster,
+        args.nodes,
+        seq_len=args.seq_len,
+        global_batch_tokens=args.global_batch_tokens,
+        precision=args.precision,
+        micro_batch_size=args.micro_batch_size,
+        remat=args.remat,
+    )
+    start = time.perf_counter()
+    terms = build_terms(request)
+    if args.strategy:
+        strategy = resolve(args.strategy, request.cluster.cluster())
+        c = best_batching(terms, strategy)
+        chosen = evaluate(request, strategy, c.micro_batch_size, c.remat)
+    else:
+        chosen = plan(request, terms)
+    solve_time = time.perf_counter() - start
+    rows = alternatives(terms)
 
     hardware = request.cluster
     if args.json:

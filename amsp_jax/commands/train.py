@@ -12,11 +12,13 @@ others through `jax.distributed`. Then `amsp_jax.train.train` runs the config.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from amsp_jax import distributed
-from amsp_jax.space import StrategyError
+from amsp_jax.errors import is_input_error, one_line
 
 # Settings that the command line may override, with their help; each is a TrainConfig field.
 OVERRIDES: dict[str, tuple[type, str]] = {
@@ -37,6 +39,7 @@ OVERRIDES: dict[str, tuple[type, str]] = {
     "seed": (int, "initialisation and data seed"),
     "data_dtype": (str, "token dtype of raw .bin token files (uint16 or int32)"),
     "cpu_devices": (int, "simulated devices when there is no accelerator"),
+    "stop_after_bad_steps": (int, "stop after this many steps in a row with a non-finite loss (skipped)"),
 }
 
 
@@ -63,13 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Set up devices and processes, then train; a clear one-line error and exit code 2 on bad input."""
+    """Set up devices and processes, then train; exit code 2 and one line on bad input, 1 on divergence."""
     # Imported here, not above: Orbax takes most of a second to import, which `amsp-jax plan` need not pay.
-    from amsp_jax.checkpoint import CheckpointError
-    from amsp_jax.data import DataError
-    from amsp_jax.train import ConfigError, load_config, train
+    from amsp_jax.train import ConfigError, DivergedError, load_config, train
 
     names = [*OVERRIDES, "data", "resume", "progress"]
+    quiet_abandoned_reads()
     try:
         config = load_config(args.config, **{name: getattr(args, name) for name in names})
         distributed.simulate_cpu_devices(config.cpu_devices)
@@ -78,10 +80,41 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         train(config)
-    except (ConfigError, DataError, CheckpointError, StrategyError) as error:
-        print(f"amsp-jax train: error: {error}", file=sys.stderr)
+    except DivergedError as error:
+        print(f"amsp-jax train: stopped: {error}", file=sys.stderr)
+        return 1
+    except Exception as error:
+        if not is_input_error(error):
+            raise
+        print(f"amsp-jax train: error: {one_line(error)}", file=sys.stderr)
         return 2
     return 0
+
+
+def quiet_abandoned_reads() -> None:
+    """Keep the reads that a failed restore abandons from printing tracebacks (the error itself is reported).
+
+    When one array of a damaged checkpoint cannot be read, Orbax's `asyncio.gather` raises that error,
+    closes its event loop and leaves the other reads running in TensorStore: asyncio reports their
+    errors as never retrieved, and their completions, calling into the closed loop, raise "Event loop
+    is closed" in TensorStore's threads, during the restore or at exit. Dropped here: those asyncio
+    reports about Orbax's tasks, and that RuntimeError where nothing can catch it (unraisable); in a
+    command, a closed event loop has no one left to serve.
+    """
+    if getattr(sys.unraisablehook, "quiets_closed_loops", False):
+        return  # installed by an earlier command in this process
+    logging.getLogger("asyncio").addFilter(
+        lambda record: not ("was never retrieved" in record.getMessage() and "orbax" in record.getMessage())
+    )
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.quiets_closed_loops = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 if __name__ == "__main__":

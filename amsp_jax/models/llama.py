@@ -12,7 +12,12 @@ import jax
 import jax.numpy as jnp
 import yaml
 
+from amsp_jax.errors import AmspError, check_field_types, one_line
 from amsp_jax.layers import LayerStack
+
+
+class ModelConfigError(AmspError):
+    """A model config with a missing file, a wrong-typed value or shapes that cannot work."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,10 +37,23 @@ class LlamaConfig:
     name: str = "llama"
 
     def __post_init__(self) -> None:
+        check_field_types(LlamaConfig, dataclasses.asdict(self), "", ModelConfigError)
+        for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+            if getattr(self, key) < 1:
+                raise ModelConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
+        for key in ("rope_theta", "norm_eps"):
+            if not 0 < getattr(self, key) < math.inf:
+                raise ModelConfigError(f"{key} must be a positive number, got {getattr(self, key)}")
         if self.dim % self.n_heads:
-            raise ValueError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
+            raise ModelConfigError(
+                f"dim {self.dim} is not a multiple of n_heads {self.n_heads}; make dim a multiple "
+                f"(e.g. {self.n_heads * max(1, round(self.dim / self.n_heads))})"
+            )
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+            raise ModelConfigError(
+                f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}; use a "
+                "divisor of n_heads for n_kv_heads"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -65,13 +83,26 @@ class LlamaConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> LlamaConfig:
-        """Read a `configs/models/*.yaml` file."""
-        data = yaml.safe_load(Path(path).read_text())
+        """Read a `configs/models/*.yaml` file; a ModelConfigError names the file and the key at fault."""
+        path = Path(path)
+        if not path.is_file():
+            raise ModelConfigError(f"model config {path} does not exist; see configs/models/ for examples")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as error:
+            raise ModelConfigError(f"{path} is not valid YAML ({one_line(error)}); fix its syntax") from None
+        if not isinstance(data, dict):
+            raise ModelConfigError(f"{path} is not a mapping of model settings (e.g. dim: 64)")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"{path}: unknown model keys {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**data)
+            raise ModelConfigError(
+                f"{path}: unknown model keys {sorted(unknown, key=str)}; known: {sorted(known)}"
+            )
+        try:
+            return cls(**data)
+        except ModelConfigError as error:
+            raise ModelConfigError(f"{path}: {error}") from None
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
