@@ -26,6 +26,9 @@ _EXPORTS = {
     "zero3": "amsp_jax.space",
     "Trainer": "amsp_jax.step",
     "TrainState": "amsp_jax.step",
+    "load_params": "amsp_jax.checkpoint",
+    "read_params": "amsp_jax.checkpoint",
+    "write_params": "amsp_jax.checkpoint",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -13,23 +13,32 @@ passes the target plan's shardings (`Trainer.abstract_state()`), so a checkpoint
 ZeRO-3 on 8 devices comes back under any other strategy on 4. Saves are asynchronous: the device
 arrays are copied to host memory before `save` returns (the next step may donate them), and the
 files are written in the background.
+
+Weights leave without a Trainer: `load_params` reads a checkpoint's master weights as host numpy
+arrays on any device count, and `write_params` / `read_params` put a parameter tree in a safetensors
+file (what `amsp-jax export` writes and `amsp-jax train --init-from` reads).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import Any
 
+import flax
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import traverse_util
 
 from amsp_jax.step import Trainer, TrainState
 
 FORMAT = "amsp_jax/1"
 STATE, META = "state", "meta"
+PARAMS_FORMAT = "amsp_jax.params/1"
+RUN_CHECKPOINTS = "checkpoints"
 
 
 class CheckpointError(RuntimeError):
@@ -223,3 +232,98 @@ class Checkpointer:
 
 def _is_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def checkpoint_directory(path: str | Path) -> Path:
+    """The directory of Orbax steps: `path` itself, or a run directory's `checkpoints/`."""
+    path = Path(path).absolute()
+    nested = path / RUN_CHECKPOINTS
+    return nested if nested.is_dir() else path
+
+
+def saved_meta(checkpoint_dir: str | Path, step: int | None = None) -> dict[str, Any]:
+    """The metadata of a checkpoint (default: the latest) in a run directory or its `checkpoints/`."""
+    checkpointer = Checkpointer(checkpoint_directory(checkpoint_dir))
+    try:
+        if not checkpointer.steps():
+            raise CheckpointError(
+                f"no checkpoint in {checkpointer.directory}; give the run directory of an `amsp-jax train` "
+                "run (or its checkpoints/ directory)"
+            )
+        return checkpointer.read_meta(step)
+    finally:
+        checkpointer.close()
+
+
+def load_params(checkpoint_dir: str | Path, step: int | None = None) -> dict[str, Any]:
+    """The full fp32 parameters of a checkpoint (default: its latest step) as host numpy arrays.
+
+    `checkpoint_dir` is a run directory or its `checkpoints/`. No Trainer, model or particular
+    device count is needed: only the master weights are read, whole, whatever plan wrote them.
+    """
+    directory = checkpoint_directory(checkpoint_dir)
+    step = saved_meta(directory, step)["step"]
+    # The state was written by Orbax's standard handler, whose files the PyTree handler reads; it
+    # gives the saved tree's metadata and restores the master weights alone (partial_restore).
+    handlers = {STATE: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
+    manager = ocp.CheckpointManager(directory, item_handlers=handlers)
+    try:
+        saved = manager.item_metadata(step)[STATE]["master"]
+        target = {"master": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)}
+        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+        restored = manager.restore(
+            step,
+            args=ocp.args.Composite(
+                **{STATE: ocp.args.PyTreeRestore(target, restore_args=as_numpy, partial_restore=True)}
+            ),
+        )
+    except Exception as error:
+        raise Checkpointer(directory)._damaged(step, error) from error
+    finally:
+        manager.close()
+    return jax.tree.map(lambda x: np.asarray(x, np.float32), restored[STATE]["master"])
+
+
+def write_params(params: Any, path: str | Path, metadata: dict[str, Any] | None = None) -> Path:
+    """Write a parameter tree as a safetensors file: one tensor per leaf, keys its '/'-joined path.
+
+    `metadata` (JSON-serialisable values) is stored in the file's header beside the format name.
+    """
+    from safetensors.numpy import save_file
+
+    flat = traverse_util.flatten_dict(flax.core.unfreeze(params), sep="/")
+    tensors = {key: np.ascontiguousarray(np.asarray(value)) for key, value in flat.items()}
+    header = {"format": PARAMS_FORMAT, **{k: json.dumps(v) for k, v in (metadata or {}).items()}}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=header)
+    return path
+
+
+def read_params(path: str | Path) -> dict[str, Any]:
+    """A parameter tree (nested dicts of numpy arrays) from a safetensors file ('/'-joined keys, as
+    `write_params` and `amsp-jax export` write) or a Flax msgpack file (`flax.serialization`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"parameter file {path} does not exist; write one with `amsp-jax export`")
+    try:
+        if path.suffix == ".msgpack":
+            tree = flax.serialization.msgpack_restore(path.read_bytes())
+            return jax.tree.map(np.asarray, flax.core.unfreeze(tree))
+        from safetensors.numpy import load_file
+
+        return traverse_util.unflatten_dict(load_file(str(path)), sep="/")
+    except Exception as error:
+        raise CheckpointError(
+            f"{path} is not a readable parameter file ({str(error).strip()[:200] or type(error).__name__}); "
+            "give a .safetensors file (amsp-jax export) or a Flax .msgpack file"
+        ) from error
+
+
+def params_metadata(path: str | Path) -> dict[str, Any]:
+    """The metadata `write_params` stored in a safetensors file (values decoded from JSON)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as handle:
+        header = handle.metadata() or {}
+    return {k: (v if k == "format" else json.loads(v)) for k, v in header.items()}

@@ -21,6 +21,7 @@ COMMANDS = {
     "audit": "Compile the real step and check its collectives and memory against the cost model.",
     "profile": "Measure collective bandwidths on the devices at hand and write a cluster config.",
     "train": "Train the LLaMA model from a config, with checkpoints and resume.",
+    "export": "Write a run's parameters to a safetensors file (for serving, evaluation, fine-tuning).",
 }
 
 # Integer flags of any command that count something and so must be at least 1.
