@@ -45,6 +45,7 @@ AMSP_CHOICES = {
     "llama-30b": "p=8x1,g=8x1,os=8x2",
 }
 PRESET_ROWS = ("zero1", "zero2", "zero3", "mics")
+NOTES_MARKER = "<!-- findings: kept when the tables are regenerated -->"
 
 
 def _abstract(batch: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.ShapeDtypeStruct]:
@@ -160,6 +161,13 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument(
+        "--extra",
+        nargs="*",
+        default=[],
+        metavar="MODEL=STRATEGY",
+        help="more plans, e.g. the planner's choice: llama-7b=p=1x1,g=1x1,os=8x32 (from amsp-jax plan)",
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_compiled"))
     args = parser.parse_args()
     devices = gpu_target.topology(args.target, args.nodes, 8)
@@ -168,6 +176,7 @@ def main() -> None:
     for name in args.models:
         config = LlamaConfig.from_yaml(REPO / "configs" / "models" / f"{name}.yaml")
         plans = [*PRESET_ROWS, AMSP_CHOICES[name]] if name in AMSP_CHOICES else list(PRESET_ROWS)
+        plans += [e.partition("=")[2] for e in args.extra if e.partition("=")[0] == name]
         rows = results.setdefault(name, [])
         for plan in plans:
             rows.append(amsp_row(config, devices, plan, args.seq_len))
@@ -186,7 +195,10 @@ def main() -> None:
     ]
     for name, rows in results.items():
         body += [f"## {name}", "", table(rows), ""]
-    out.with_suffix(".md").write_text("\n".join(body))
+    # Hand-written findings below the marker survive a re-run.
+    previous = out.with_suffix(".md").read_text() if out.with_suffix(".md").exists() else ""
+    notes = previous[previous.index(NOTES_MARKER) :] if NOTES_MARKER in previous else NOTES_MARKER + "\n"
+    out.with_suffix(".md").write_text("\n".join(body) + "\n" + notes)
 
 
 if __name__ == "__main__":
