@@ -315,6 +315,7 @@ def workload_of(trainer: Any, batch: Any, dims: cost.ModelDims) -> cost.Workload
         plan.precision,
         plan.remat,
         min_collective_itemsize=4 if on_cpu else 1,
+        implementation=plan.implementation,
     )
 
 

@@ -17,7 +17,8 @@ Schema (every number carries its source in a comment in the YAML file):
     collective_min_itemsize: 1    # optional; 4 where 16-bit collectives run in fp32 (XLA:CPU)
     device: {name, memory_bytes, usable_memory_fraction, peak_flops, compute_efficiency,
              hbm_bandwidth}
-    overlap: {reduction_fraction, interference}
+    overlap: {enabled, reduction_fraction, interference}   # enabled: false where collectives block compute
+    latency: {base_us, intra_hop_us, inter_hop_us}   # optional: NCCL-style ring latency per op
     bandwidth:
       all-gather | reduce-scatter | all-reduce:
         intra | inter: [[SIZE, GB_PER_S], ...]    # SIZE: bytes, or e.g. "1MiB"
@@ -132,6 +133,10 @@ class ClusterConfig:
     bandwidth: Mapping[tuple[str, str], BandwidthTable]
     collective_min_itemsize: int = 1
     device_name: str = ""
+    overlap_enabled: bool = True
+    latency_base: float = 0.0
+    latency_intra_hop: float = 0.0
+    latency_inter_hop: float = 0.0
 
     @property
     def memory_limit(self) -> float:
@@ -160,11 +165,40 @@ class ClusterConfig:
             raise ClusterConfigError(f"cluster {self.name!r} has no bandwidth table for {kind} {level}")
         return table.at(size)
 
-    def collective_time(self, kind: str, level: str, size: int, executions: int) -> float:
-        """Seconds for `executions` collectives that move `size` bytes per device in all."""
+    def latency(self, kind: str, group: int, nodes: int) -> float:
+        """Seconds of fixed cost of one ring collective over `group` devices on `nodes` nodes.
+
+        NCCL's tuning model (src/graph/tuning.cc): a base latency plus one hop per ring step, each step
+        inside a node costing an NVLink hop and each step between nodes a network hop; an all-reduce
+        walks the ring twice. A group of 0 (transfers merged across groups) has no latency term.
+        """
+        if group <= 1:
+            return 0.0
+        nodes = max(nodes, 1)
+        hops = (group - nodes) * self.latency_intra_hop + (nodes - 1) * self.latency_inter_hop
+        return self.latency_base + (2 if kind == "all-reduce" else 1) * hops
+
+    def collective_time(
+        self, kind: str, level: str, size: int, executions: int, group: int = 0, nodes: int = 0
+    ) -> float:
+        """Seconds for `executions` collectives that move `size` bytes per device in all, over groups
+        of `group` devices on `nodes` nodes: latency per execution plus bytes over bus bandwidth.
+
+        A flat ring that spans nodes with several devices per node sends only nodes/group of its bytes
+        across the NICs (it enters and leaves each node once); the rest hop over the node's links, at
+        the same time: the slower of the two sets the pace.
+        """
         if size <= 0 or executions <= 0:
             return 0.0
-        return size / self.busbw(kind, level, size / executions)
+        fixed = executions * self.latency(kind, group, nodes)
+        per_op = size / executions
+        if level == "inter" and group > nodes > 0:
+            nic = size * nodes / group
+            return fixed + max(
+                nic / self.busbw(kind, "inter", nic / executions),
+                (size - nic) / self.busbw(kind, "intra", per_op),
+            )
+        return fixed + size / self.busbw(kind, level, per_op)
 
 
 def _number(section: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
@@ -194,6 +228,18 @@ def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> Clust
             raise ClusterConfigError(f"{where}: bandwidth.{kind} must map intra/inter to [size, GB/s] rows")
     device = values.get("device") or {}
     overlap = values.get("overlap") or {}
+    latency = values.get("latency") or {}
+    if not isinstance(latency, Mapping):
+        raise ClusterConfigError(f"{where}: latency must be a mapping of base_us, intra_hop_us, inter_hop_us")
+    latency_s = {}
+    for key in ("base_us", "intra_hop_us", "inter_hop_us"):
+        try:
+            latency_s[key] = float(latency.get(key, 0.0)) * 1e-6
+        except (TypeError, ValueError) as error:
+            value = latency.get(key)
+            raise ClusterConfigError(f"{where}: latency.{key} = {value!r} is not a number") from error
+        if latency_s[key] < 0:
+            raise ClusterConfigError(f"{where}: latency.{key} must not be negative")
     tables: dict[tuple[str, str], BandwidthTable] = {}
     for kind, levels in (values.get("bandwidth") or {}).items():
         if kind not in KINDS:
@@ -226,6 +272,10 @@ def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> Clust
         bandwidth=tables,
         collective_min_itemsize=int(_number(values, "collective_min_itemsize", where, 1)),
         device_name=str(device.get("name", "")),
+        overlap_enabled=bool(overlap.get("enabled", True)),
+        latency_base=latency_s["base_us"],
+        latency_intra_hop=latency_s["intra_hop_us"],
+        latency_inter_hop=latency_s["inter_hop_us"],
     )
 
 

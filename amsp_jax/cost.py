@@ -1,19 +1,17 @@
 """The analytic cost model: bytes of every collective phase and memory per device, without compiling.
 
-It mirrors the step exactly (same leaf splits, same decomposition of collectives into intra- and
-inter-node runs, same dtypes), so `amsp_jax.audit` can require the compiled program to move exactly
-the predicted bytes. Byte counts use the nccl-tests ring convention per device: all-gather and
-reduce-scatter move (n-1)/n of the larger buffer, all-reduce 2(n-1)/n.
+Bytes come from the step's own `amsp_jax.schedule` (the ops the step executes), so `amsp_jax.audit`
+can require the compiled program to move exactly the predicted bytes. Byte counts use the nccl-tests
+ring convention per device: all-gather and reduce-scatter move (n-1)/n of the larger buffer,
+all-reduce 2(n-1)/n. Scalar reductions (the loss, gradient norms) are not model-state traffic and
+are left out.
 
-What runs how often (one step, M micro-batches, L layers):
-  - layer-stack leaves: gathered per layer and micro-batch in the forward pass, and again in the
-    backward pass unless remat is `none` (then the gathered weights are saved instead); their
-    gradient is reduce-scattered onto G per layer and micro-batch;
-  - other leaves (embeddings, final norm, or a whole model without a `LayerStack`): the gather does
-    not depend on the micro-batch, so XLA hoists it out of the micro-batch loop: once per step, kept
-    gathered for the step; their gradient is reduce-scattered per micro-batch;
-  - once per step: the 2-hop reduction onto OS's placement and the P refresh from the new master.
-Scalar reductions (the loss, gradient norms) are not model-state traffic and are left out.
+Where bytes travel: a collective over intra-node axes stays on the node's links (NVLink). One whose
+group spans nodes is counted as inter-node by the audit (it runs at its slowest link), but a
+topology-aware ring (what NCCL builds) enters and leaves each node once per channel, so of the bytes
+a device sends in a flat ring over n devices on N nodes only N/n cross the NICs; the rest hop between
+devices of the same node. `Transfer.nic_bytes` counts that share; a hierarchical inter-node run
+(one device per node in each group) sends all its bytes across the NICs.
 """
 
 from __future__ import annotations
@@ -21,21 +19,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-from amsp_jax.collectives import hierarchical_split, runs
-from amsp_jax.layers import MIN_PREFETCH_LAYERS
+from amsp_jax import schedule
 from amsp_jax.plan import Precision
-from amsp_jax.sharding import AxisPlan, LeafLayout, leaf_layout
+from amsp_jax.schedule import PHASES, Implementation, LeafSchedule, Op
+from amsp_jax.sharding import AxisPlan, LeafLayout
 
-PHASES = (
-    "P gather, layers (forward)",
-    "P re-gather, layers (backward)",
-    "P gather, other leaves (once per step)",
-    "G reduce-scatter (per micro-batch)",
-    "G to OS reduction (once per step)",
-    "P refresh (once per step)",
-)
 FP32 = 4
 
 
@@ -80,6 +70,7 @@ class Workload:
     opt_state_bytes_per_param: int = 2 * FP32
     # XLA's CPU backend runs 16-bit collectives in fp32 (seen in compiled HLO); 4 models that there.
     min_collective_itemsize: int = 1
+    implementation: Implementation = dataclasses.field(default_factory=Implementation)
 
     def wire_bytes(self, itemsize: int) -> int:
         """Bytes per element on the wire for a tensor of `itemsize`."""
@@ -134,122 +125,59 @@ def llama_dims(config: object) -> ModelDims:
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
-    """Bytes one device sends per step in one phase, by collective kind and link level."""
+    """Bytes one device sends per step in one phase, by collective kind and link level.
+
+    `group` and `nodes` (devices in the collective's group, nodes they span) are set for a single
+    op and 0 once transfers of different groups are merged.
+    """
 
     phase: str
     kind: str
     level: str
     bytes: int
     executions: int
+    group: int = 0
+    nodes: int = 0
+
+    @property
+    def nic_bytes(self) -> int:
+        """Of `bytes`, those that cross a node's network interface (topology-aware ring)."""
+        if self.level != "inter" or not self.group:
+            return 0
+        return self.bytes * self.nodes // self.group
 
 
-def _ring_bytes(kind: str, group: int, size: int) -> int:
-    factor = 2 if kind == "all-reduce" else 1
-    return -(-factor * (group - 1) * size // group)
+def transfer(op: Op, workload: Workload) -> Transfer:
+    """The per-step bytes of one scheduled op."""
+    size = op.bytes_sent(workload.min_collective_itemsize) * op.executions
+    return Transfer(op.phase, op.kind, op.level, size, op.executions, op.group, op.nodes)
 
 
-def _level(axes: AxisPlan, group_axes: Sequence[str]) -> str:
-    return "inter" if any(axes.is_inter(a) for a in group_axes) else "intra"
-
-
-def _gather(axes: AxisPlan, group_axes: Sequence[str], block_bytes: int) -> list[tuple[str, str, int]]:
-    """(kind, level, bytes) of `collectives.all_gather` from a block of `block_bytes`."""
-    out, current = [], block_bytes
-    for run in reversed(runs(axes, group_axes)):
-        current *= axes.size(run)
-        out.append(("all-gather", _level(axes, run), _ring_bytes("all-gather", axes.size(run), current)))
-    return out
-
-
-def _reduce_scatter(axes: AxisPlan, group_axes: Sequence[str], full_bytes: int) -> list[tuple[str, str, int]]:
-    """(kind, level, bytes) of `collectives.reduce_scatter` of a buffer of `full_bytes`."""
-    out, current = [], full_bytes
-    for run in runs(axes, group_axes):
-        out.append(
-            ("reduce-scatter", _level(axes, run), _ring_bytes("reduce-scatter", axes.size(run), current))
-        )
-        current //= axes.size(run)
-    return out
-
-
-def _all_reduce(
-    axes: AxisPlan, group_axes: Sequence[str], elements: int, itemsize: int
-) -> list[tuple[str, str, int]]:
-    """(kind, level, bytes) of `collectives.all_reduce`: hierarchical across nodes when it can be."""
-    if not group_axes:
-        return []
-    size = elements * itemsize
-    intra, rest = hierarchical_split(axes, elements, group_axes)
-    if not intra:
-        return [("all-reduce", _level(axes, rest), _ring_bytes("all-reduce", axes.size(rest), size))]
-    piece = size // axes.size(intra)
-    return [
-        ("reduce-scatter", "intra", _ring_bytes("reduce-scatter", axes.size(intra), size)),
-        ("all-reduce", "inter", _ring_bytes("all-reduce", axes.size(rest), piece)),
-        ("all-gather", "intra", _ring_bytes("all-gather", axes.size(intra), size)),
-    ]
-
-
-def _block_elements(axes: AxisPlan, leaf: LeafLayout, component: str) -> int:
-    return math.prod(leaf.block_shape(axes, component))
+def schedule_leaf(axes: AxisPlan, workload: Workload, leaf: LeafShape) -> LeafSchedule:
+    """The step's ops for one leaf under `workload`'s batching, remat, precision and implementation."""
+    return schedule.leaf_schedule(
+        axes, leaf.path, leaf.shape, leaf.stacked, workload.micro_batches, workload.remat,
+        workload.precision.param_bytes, workload.precision.reduce_bytes, workload.implementation,
+    )  # fmt: skip
 
 
 def leaf_transfers(axes: AxisPlan, workload: Workload, leaf: LeafShape) -> list[Transfer]:
     """Every collective the step runs for one leaf, with its executions per step."""
-    split = leaf_layout(axes, leaf.shape, leaf.stacked)
-    p_bytes = workload.wire_bytes(workload.precision.param_bytes)
-    r_bytes = workload.wire_bytes(workload.precision.reduce_bytes)
-    layers = leaf.shape[0] if leaf.stacked else 1
-    per_layer = leaf.size // layers
-    micro = workload.micro_batches
-    found: list[Transfer] = []
-
-    def add(phase: str, ops: Iterable[tuple[str, str, int]], executions: int) -> None:
-        found.extend(Transfer(phase, kind, level, size * executions, executions) for kind, level, size in ops)
-
-    all_axes = axes.all_axes
-    if split.dim is None:
-        add(PHASES[4], _all_reduce(axes, all_axes, leaf.size, r_bytes), 1)
-        return found
-    p_axes, g_axes, o_axes = axes.axes("params"), axes.axes("grads"), axes.axes("opt_state")
-    gather = _gather(axes, p_axes, per_layer // axes.size(p_axes) * p_bytes)
-    if leaf.stacked:
-        add(PHASES[0], gather, layers * micro)
-        if workload.remat != "none":
-            add(PHASES[1], gather, layers * micro)
-    else:
-        add(PHASES[2], gather, 1)
-    add(PHASES[3], _reduce_scatter(axes, g_axes, per_layer * r_bytes), layers * micro)
-
-    g_elements = _block_elements(axes, split, "grads")
-    if set(g_axes) <= set(o_axes):
-        extra = [a for a in o_axes if a not in g_axes]
-        reduction = _reduce_scatter(axes, extra, g_elements * r_bytes)
-        reduction += _all_reduce(
-            axes, [a for a in all_axes if a not in o_axes], _block_elements(axes, split, "opt_state"), r_bytes
-        )
-    else:
-        reduction = _all_reduce(axes, [a for a in all_axes if a not in g_axes], g_elements, r_bytes)
-        reduction += _gather(axes, [a for a in g_axes if a not in o_axes], g_elements * r_bytes)
-    add(PHASES[4], reduction, 1)
-    if set(p_axes) <= set(o_axes):
-        extra = [a for a in o_axes if a not in p_axes]
-        add(PHASES[5], _gather(axes, extra, _block_elements(axes, split, "opt_state") * p_bytes), 1)
-    return found
+    return [transfer(op, workload) for op in schedule_leaf(axes, workload, leaf).ops()]
 
 
 def communication(axes: AxisPlan, workload: Workload) -> list[Transfer]:
-    """Per-device bytes of every phase, merged by (phase, kind, level)."""
-    merged: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    """Per-device bytes of every phase, merged by (phase, kind, level, group size, nodes)."""
+    merged: dict[tuple[str, str, str, int, int], list[int]] = defaultdict(lambda: [0, 0])
     for leaf in workload.leaves:
         for t in leaf_transfers(axes, workload, leaf):
-            entry = merged[(t.phase, t.kind, t.level)]
+            entry = merged[(t.phase, t.kind, t.level, t.group, t.nodes)]
             entry[0] += t.bytes
             entry[1] += t.executions
     order = {p: i for i, p in enumerate(PHASES)}
     return [
-        Transfer(phase, kind, level, size, count)
-        for (phase, kind, level), (size, count) in sorted(
+        Transfer(phase, kind, level, size, count, group, nodes)
+        for (phase, kind, level, group, nodes), (size, count) in sorted(
             merged.items(), key=lambda kv: (order[kv[0][0]], kv[0][1:])
         )
         if size
@@ -270,6 +198,17 @@ def bytes_by_level(transfers: Iterable[Transfer]) -> dict[str, int]:
     for t in transfers:
         totals[t.level] += t.bytes
     return totals
+
+
+def link_bytes(axes: AxisPlan, workload: Workload) -> dict[str, int]:
+    """Bytes per device and step by the link they travel: node-local links or the node's NICs."""
+    nic = sum(t.nic_bytes for leaf in workload.leaves for t in leaf_transfers(axes, workload, leaf))
+    total = sum(t.bytes for leaf in workload.leaves for t in leaf_transfers(axes, workload, leaf))
+    return {"node": total - nic, "nic": nic}
+
+
+def _block_elements(axes: AxisPlan, leaf: LeafLayout, component: str) -> int:
+    return math.prod(leaf.block_shape(axes, component))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,7 +261,7 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
     params = grads = master = gathered_other = 0
     layer_full = layer_sharded = 0
     for leaf in workload.leaves:
-        split = leaf_layout(axes, leaf.shape, leaf.stacked)
+        split = schedule_leaf(axes, workload, leaf).split
         params += _block_elements(axes, split, "params") * p_bytes
         grads += _block_elements(axes, split, "grads") * FP32
         master += _block_elements(axes, split, "opt_state") * FP32
@@ -337,7 +276,9 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
     # The backward pass holds a gathered layer and its full-size gradient before the reduce-scatter,
     # plus the next layer when it is prefetched (remat full); without remat the forward keeps every
     # layer's gathered weights as residuals.
-    prefetch = workload.remat == "full" and workload.micro_batches == 1 and layers >= MIN_PREFETCH_LAYERS
+    prefetch = schedule.uses_prefetch(
+        workload.micro_batches, workload.remat, layers, workload.implementation.prefetch
+    )
     held = 3 if prefetch else 2
     gathered = gathered_other + held * (layer_full - layer_sharded)
     if workload.remat == "none":
@@ -347,7 +288,7 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
     activations = layers * kept + full_layer + 2 * logits
     # One micro-batch's gradient beside the accumulator (none with one micro-batch), and the
     # optimizer's update on OS.
-    temporaries = (grads if workload.micro_batches > 1 else 0) + master
+    temporaries = (grads if schedule.accumulates(workload.micro_batches) else 0) + master
     return Memory(params, grads, master, opt_state, gathered, activations, temporaries)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -523,8 +523,26 @@ def parse_collectives(hlo_text: str, num_devices: int) -> list[Collective]:
                     f"{unknown[comp_name]} has no known_trip_count, its induction variable could not be "
                     f"run to a count, and it runs {where}"
                 )
-            found.append(_collective(ins, comp_name, body, counts[comp_name], num_devices))
+            found += _split_scalars(_collective(ins, comp_name, body, counts[comp_name], num_devices), ins)
     return found
+
+
+def _split_scalars(c: Collective, ins: _Instruction) -> list[Collective]:
+    """A combined all-reduce of tensors and scalars (XLA merges the loss into the gradient reduction)
+    as two records, so the scalar part is left out of model-state traffic like a lone scalar."""
+    if c.kind != "all-reduce" or c.scalar:
+        return [c]
+    arrays = _ARRAY.findall(_output_shape(ins))
+    scalar_bytes = sum(_DTYPE_BYTES[dtype] for dtype, dims in arrays if not dims.strip())
+    if not scalar_bytes:
+        return [c]
+    tensors = replace(
+        c, operand_bytes=c.operand_bytes - scalar_bytes, result_bytes=c.result_bytes - scalar_bytes
+    )
+    scalars = replace(
+        c, name=f"{c.name}.scalars", operand_bytes=scalar_bytes, result_bytes=scalar_bytes, scalar=True
+    )
+    return [tensors, scalars]
 
 
 def bytes_per_device(c: Collective) -> int:

@@ -21,7 +21,6 @@ import jax
 from amsp_jax.layer_scan import prefetched_scan
 
 STACK_PARAM = "layer"
-MIN_PREFETCH_LAYERS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +40,7 @@ class LayerContext:
     sinks: dict[tuple[str, ...], Any]
     remat_policy: Callable[..., bool] | None
     remat: bool
-    prefetch: bool = False
+    prefetch: frozenset[tuple[str, ...]] = frozenset()  # stacks that run the explicit-prefetch loop
 
 
 _CONTEXT: contextvars.ContextVar[LayerContext | None] = contextvars.ContextVar("amsp_layers", default=None)
@@ -108,9 +107,7 @@ class LayerStack(nn.Module):
 
         ops = context.stacks[path]
         sinks = context.sinks[path]
-        # Short stacks stay on the checkpointed scan: XLA unrolls one- and two-trip loops, and then
-        # merges the forward and backward gathers of a peeled layer (keeping it gathered).
-        if context.prefetch and self.length >= MIN_PREFETCH_LAYERS:
+        if path in context.prefetch:
             return prefetched_scan(
                 lambda h, weights, args: block.apply({"params": weights}, h, *args),
                 ops.gather,

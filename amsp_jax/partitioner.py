@@ -45,7 +45,8 @@ from amsp_jax.cluster_config import ClusterConfig, for_cluster
 from amsp_jax.cluster_config import load as load_cluster
 from amsp_jax.cost import Transfer, Workload, leaf_transfers, llama_workload, memory
 from amsp_jax.models.llama import LlamaConfig
-from amsp_jax.plan import REMAT_POLICIES, Precision
+from amsp_jax.plan import REMAT_POLICIES, Plan, Precision
+from amsp_jax.schedule import Implementation, accumulates, uses_prefetch
 from amsp_jax.sharding import plan_axes, shard_dim
 from amsp_jax.space import Cluster, Placement, Strategy, preset
 
@@ -67,6 +68,7 @@ class Request:
     precision: Precision = dataclasses.field(default_factory=Precision)
     micro_batch_sizes: tuple[int, ...] | None = None
     remats: tuple[str, ...] = REMAT_POLICIES
+    implementation: Implementation = dataclasses.field(default_factory=Implementation)
 
     @property
     def devices(self) -> int:
@@ -106,7 +108,13 @@ class Request:
     def workload(self, micro_batch_size: int = 1, micro_batches: int = 1, remat: str = "full") -> Workload:
         """The cost model's workload for one choice of batching and remat on this cluster's hardware."""
         w = llama_workload(self.model, self.seq_len, micro_batch_size, micro_batches, self.precision, remat)
-        return w.with_(min_collective_itemsize=self.cluster.collective_min_itemsize)
+        return w.with_(
+            min_collective_itemsize=self.cluster.collective_min_itemsize, implementation=self.implementation
+        )
+
+    def prefetches(self, micro_batches: int, remat: str) -> bool:
+        """Whether the step runs the explicit-prefetch loop for this batching and remat."""
+        return uses_prefetch(micro_batches, remat, self.model.n_layers, self.implementation.prefetch)
 
 
 def placements(cluster: Cluster) -> list[Placement]:
@@ -204,11 +212,11 @@ class Terms:
         """Bytes per device of `choice`; `extra_params` adds a second P copy of that placement."""
         s, b, r = choice.strategy, choice.micro_batch_size, choice.remat
         pi = self.profile(s)
-        single = dict(self.batchings)[b] == 1
+        m = dict(self.batchings)[b]
         total = (
             self.p_memory[(s.params, pi, r)]
-            + (self.prefetch_memory[(s.params, pi)] if single and r == "full" else 0.0)
-            + self.g_memory[(s.grads, pi)] * (1 if single else 2)
+            + (self.prefetch_memory[(s.params, pi)] if self.request.prefetches(m, r) else 0.0)
+            + self.g_memory[(s.grads, pi)] * (2 if accumulates(m) else 1)
             + self.os_memory[(s.opt_state, pi)]
             + self.activations[(b, r)]
         )
@@ -218,10 +226,7 @@ class Terms:
 
 
 def _merge_time(parts: Iterable[tuple[int, Transfer]], group: str, cluster: ClusterConfig) -> float:
-    return sum(
-        cluster.collective_time(t.kind, t.level, t.bytes, t.executions)
-        for t in timing.merge(list(parts), group)
-    )
+    return sum(timing.transfer_time(t, cluster) for t in timing.merge(list(parts), group))
 
 
 def build_terms(request: Request) -> Terms:
@@ -294,21 +299,22 @@ def build_terms(request: Request) -> Terms:
 
     # Memory: Memory fields of probes whose largest group has profile π.
     remats = tuple(r for r in REMAT_POLICIES if r in request.remats)
-    # Memory probes use two micro-batches; with one the step has no gradient accumulator (G counts
-    # once, not twice) and, with remat full, runs the prefetch loop that holds one more gathered layer.
+    # Memory probes use two micro-batches (no prefetch loop, a gradient accumulator); where the
+    # schedule has no accumulator G counts once, and the prefetch loop's extra gathered layer is the
+    # difference of one micro-batch with and without it.
     p_memory: dict[tuple[Placement, int, str], float] = {}
     prefetch_memory: dict[tuple[Placement, int], float] = {}
     g_memory, os_memory, optimizer = {}, {}, {}
     workloads = {r: request.workload(micro_batches=2, remat=r) for r in remats}
-    single_full, several_full = (request.workload(micro_batches=m, remat="full") for m in (1, 2))
+    looped = request.workload(micro_batches=1, remat="full")
+    looped = looped.with_(implementation=dataclasses.replace(request.implementation, prefetch=True))
+    scanned = looped.with_(implementation=dataclasses.replace(request.implementation, prefetch=False))
     for (x, pi), t in holder.items():
         axes = plan_axes(cluster, Strategy(x, x, t))
         as_p = {r: memory(axes, workloads[r]) for r in remats}
         for r, mem in as_p.items():
             p_memory[(x, pi, r)] = float(mem.params + mem.gathered)
-        prefetch_memory[(x, pi)] = float(
-            memory(axes, single_full).gathered - memory(axes, several_full).gathered
-        )
+        prefetch_memory[(x, pi)] = float(memory(axes, looped).gathered - memory(axes, scanned).gathered)
         first = as_p[remats[0]]
         p_memory[(x, pi, "params only")] = float(first.params)
         g_memory[(x, pi)] = float(first.grads)  # one micro-batch's gradient; the accumulator doubles it
@@ -469,16 +475,18 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
     mem += total(terms.g_memory[(q, pi)] / GIB * z[("G", q, pi)] for q, pi in terms.possible)
     mem += total(terms.os_memory[(q, pi)] / GIB * z[("OS", q, pi)] for q, pi in terms.possible)
     mem += total(terms.activations[k] / GIB * w[k] for k in w)
-    # With several micro-batches G counts twice (accumulator); with one and remat full the prefetch
-    # loop holds one more gathered layer: products of the component, batching and remat binaries.
-    single = total(mb[b] for b, m in terms.batchings if m == 1)
+    # The schedule's rules as products of binaries: G counts twice with an accumulator, and the
+    # prefetch loop holds one more gathered layer for the (batching, remat) pairs that run it.
+    micro = dict(terms.batchings)
+    no_accumulator = total(mb[b] for b, m in terms.batchings if not accumulates(m))
+    prefetching = total(w[(b, r)] for (b, r) in w if terms.request.prefetches(micro[b], r))
     for q, pi in terms.possible:
         accumulator = product(f"acc_{q}_{pi}")
-        prob += accumulator >= z[("G", q, pi)] - single
+        prob += accumulator >= z[("G", q, pi)] - no_accumulator
         mem += terms.g_memory[(q, pi)] / GIB * accumulator
-        if "full" in rho and terms.prefetch_memory[(q, pi)]:
+        if terms.prefetch_memory[(q, pi)]:
             held = product(f"pf_{q}_{pi}")
-            prob += held >= z[("P", q, pi)] + rho["full"] + single - 2
+            prob += held >= z[("P", q, pi)] + prefetching - 1
             mem += terms.prefetch_memory[(q, pi)] / GIB * held
     for r in terms.remats[1:]:
         for q, pi in terms.possible:
@@ -499,7 +507,9 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
     # differences between plans that the tests compare (1e-6 relative).
     scale = 1e4 / max(c.total for c in terms.compute.values())
     exposed = {name: pulp.LpVariable(f"e_{name.replace(' ', '_')}", lowBound=0) for name in timing.WINDOWS}
-    kappa = terms.request.cluster.overlap_interference
+    # Where collectives cannot overlap compute, every window exposes all of its communication.
+    hardware = terms.request.cluster
+    kappa = hardware.overlap_interference if hardware.overlap_enabled else 1.0
     step_level = {
         "step start": (
             total(terms.p_time[(q, pi)][timing.OTHER_GATHER] * z[("P", q, pi)] for q, pi in terms.possible)
@@ -516,7 +526,6 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
         prob += exposed[name] >= scale * kappa * comm
     # Per-micro-batch windows scale with M = n / b, so they get one big-M pair per (b, r).
     tables = {"P": terms.p_time, "G": terms.g_time}
-    micro = dict(terms.batchings)
     for (b, r), wk in w.items():
         compute = terms.compute[(b, r)]
         per_micro_batch = {
@@ -587,6 +596,14 @@ class Evaluated:
     memory_limit: float
     devices: int
     solve_time_s: float | None = None
+    implementation: Implementation = dataclasses.field(default_factory=Implementation)
+
+    def to_plan(self, cluster: Cluster, precision: Precision | str = "mixed") -> Plan:
+        """The `Plan` that runs this choice on `cluster` (a `Trainer` takes it as is)."""
+        return Plan(
+            cluster, self.strategy, self.micro_batches, precision=precision, remat=self.remat,
+            hierarchical=self.implementation.hierarchical, prefetch=self.implementation.prefetch,
+        )  # fmt: skip
 
     @property
     def memory_bytes(self) -> int:
@@ -616,6 +633,8 @@ class Evaluated:
             "micro_batch_size": self.micro_batch_size,
             "micro_batches": self.micro_batches,
             "remat": self.remat,
+            "collectives": "hierarchical" if self.implementation.hierarchical else "flat",
+            "prefetch_loop": self.implementation.prefetch is not False,
             "step_time_s": self.estimate.time.step_s,
             "mfu": self.estimate.time.mfu,
             "tokens_per_s": self.estimate.time.tokens_per_s(self.devices),
@@ -679,6 +698,7 @@ def evaluate(
         request.cluster.memory_limit,
         request.devices,
         solve_time_s,
+        request.implementation,
     )
 
 
@@ -786,17 +806,46 @@ def make_request(
     )
 
 
+def implementations(request: Request) -> list[Implementation]:
+    """The ways of issuing the step's collectives worth comparing on this cluster.
+
+    Split (hierarchical) and flat collectives differ only where a group spans nodes. The explicit
+    prefetch loop exists to overlap the next layer's gather with compute; where the cluster cannot
+    overlap collectives with compute it only adds work, so it is left off there.
+    """
+    prefetch = None if request.cluster.overlap_enabled else False
+    splits = (True, False) if request.cluster.nodes > 1 else (True,)
+    return [Implementation(hierarchical, prefetch) for hierarchical in splits]
+
+
 def plan(request: Request, terms: Terms | None = None) -> Evaluated:
-    """The ILP's choice for `request`, re-evaluated by the full models; PlanError when nothing fits."""
+    """The ILP's choice for `request`, re-evaluated by the full models; PlanError when nothing fits.
+
+    The implementation choices (`implementations`) are an outer enumeration: one ILP per choice, the
+    fastest wins. `terms` (built for `request` as given) skips that enumeration.
+    """
     start = time.perf_counter()
-    terms = terms or build_terms(request)
-    solution = solve(terms)
-    if solution is None:
-        raise nothing_fits(terms)
-    c = solution.choice
-    return evaluate(
-        request, c.strategy, c.micro_batch_size, c.remat, solve_time_s=time.perf_counter() - start
-    )
+    candidates = [(request, terms)] if terms is not None else [
+        (dataclasses.replace(request, implementation=i), None) for i in implementations(request)
+    ]  # fmt: skip
+    best: Evaluated | None = None
+    first_terms = None
+    for candidate, given in candidates:
+        built = given or build_terms(candidate)
+        first_terms = first_terms or built
+        solution = solve(built)
+        if solution is None:
+            continue
+        c = solution.choice
+        evaluated = evaluate(
+            candidate, c.strategy, c.micro_batch_size, c.remat, solve_time_s=time.perf_counter() - start
+        )
+        if best is None or evaluated.estimate.time.step_s < best.estimate.time.step_s:
+            best = evaluated
+    if best is None:
+        assert first_terms is not None
+        raise nothing_fits(first_terms)
+    return dataclasses.replace(best, solve_time_s=time.perf_counter() - start)
 
 
 def choose(

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from amsp_jax.schedule import Implementation
 from amsp_jax.space import Cluster, Strategy
 
 REMAT_POLICIES = ("none", "dots", "full")
@@ -58,6 +59,13 @@ class Plan:
     precision: Precision = dataclasses.field(default_factory=Precision)
     remat: str = "full"
     allow_partial_nodes: bool = False
+    hierarchical: bool = True
+    prefetch: bool | None = None
+
+    @property
+    def implementation(self) -> Implementation:
+        """How the step issues its collectives: split at node boundaries or flat; the prefetch loop."""
+        return Implementation(self.hierarchical, self.prefetch)
 
     def __post_init__(self) -> None:
         if isinstance(self.precision, str):
@@ -79,8 +87,10 @@ class Plan:
         return True, jax.checkpoint_policies.nothing_saveable
 
     def describe(self) -> str:
-        """One line: strategy, micro-batches, precision, remat."""
+        """One line: strategy, micro-batches, precision, remat, collectives."""
         return (
             f"{self.strategy} on {self.cluster.nodes}x{self.cluster.devices_per_node} "
             f"({self.cluster.name}), M={self.micro_batches}, {self.precision.name}, remat={self.remat}"
+            f"{'' if self.hierarchical else ', flat collectives'}"
+            f"{', no prefetch loop' if self.prefetch is False else ''}"
         )

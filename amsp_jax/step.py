@@ -24,14 +24,21 @@ from flax import traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from amsp_jax import collectives
+from amsp_jax import collectives, optim_state
+from amsp_jax.errors import AmspError, one_line
 from amsp_jax.layers import LayerContext, StackOps, layer_context, recording_stacks
 from amsp_jax.plan import Plan
+from amsp_jax.schedule import LeafSchedule, Schedule
+from amsp_jax.schedule import build as build_schedule
 from amsp_jax.sharding import Layout, LeafLayout, batch_spec, leaf_layout, make_layout
 from amsp_jax.xla import compiler_options
 
 Path = tuple[str, ...]
 LossFn = Callable[[Any, Any], jax.Array]
+
+
+class TrainerError(AmspError):
+    """A `Trainer` used in a way it cannot work: the message says what to do instead."""
 
 
 @flax.struct.dataclass
@@ -79,17 +86,6 @@ def param_layout(layout: Layout, abstract_params: Any, stacks: tuple[Path, ...])
     return ParamLayout(leaves, stacks, jax.tree.structure(abstract_params))
 
 
-def uses_prefetch(plan: Plan) -> bool:
-    """Whether layer stacks run the explicit-prefetch loop (else the checkpointed scan).
-
-    Its first gathers sit outside the layer loops; inside a micro-batch loop XLA hoists those
-    loop-invariant gathers out of it (and may merge them with the backward ones), so it is used with
-    one micro-batch, where nothing can be hoisted. With several, the checkpointed scan keeps every
-    gather inside a loop and the GPU collective pipeliner issues the next layer's gather early.
-    """
-    return plan.remat == "full" and plan.micro_batches == 1
-
-
 class Trainer:
     """Trains a Flax linen model with an optax optimizer under a plan, one jitted step at a time."""
 
@@ -108,6 +104,7 @@ class Trainer:
         self.loss_fn = loss_fn
         self.layout = make_layout(plan.cluster, plan.strategy, devices)
         self.params_layout: ParamLayout | None = None
+        self._schedule: tuple[ParamLayout, Schedule] | None = None
         self._compiled: dict[Any, Any] = {}
         self._evaluate: Callable[..., jax.Array] | None = None
 
@@ -120,20 +117,31 @@ class Trainer:
             abstract = jax.eval_shape(lambda k: self.model.init(k, *example_inputs)["params"], key)
         return abstract, tuple(stacks)
 
+    @property
+    def schedule(self) -> Schedule:
+        """The step's collectives per leaf, as the step runs them and the cost model prices them."""
+        pl = self.params_layout
+        assert pl is not None, "call setup() or init() first"
+        if self._schedule is None or self._schedule[0] is not pl:
+            plan = self.plan
+            leaves = [(path, leaf.shape, pl.stack_of(path) is not None) for path, leaf in pl.leaves.items()]
+            built = build_schedule(
+                self.layout, leaves, plan.micro_batches, plan.remat, plan.precision.param_bytes,
+                plan.precision.reduce_bytes, plan.implementation,
+            )  # fmt: skip
+            self._schedule = (pl, built)
+        return self._schedule[1]
+
     def _sharding(self, component: str) -> Any:
         assert self.params_layout is not None, "call init() first"
         return self.params_layout.tree(lambda _, leaf: NamedSharding(self.layout.mesh, leaf.specs[component]))
 
     def state_shardings(self) -> TrainState:
         """The `NamedSharding` of every leaf of the state."""
+        assert self.params_layout is not None, "call init() first"
         master = self._sharding("opt_state")
-        abstract_opt = jax.eval_shape(self.optimizer.init, self._abstract_master())
-        opt = optax.tree_utils.tree_map_params(
-            self.optimizer,
-            lambda _, sharding: sharding,
-            abstract_opt,
-            master,
-            transform_non_params=lambda _: NamedSharding(self.layout.mesh, P()),
+        opt = optim_state.state_shardings(
+            self.optimizer, self._abstract_master(), self.params_layout.leaves, self.layout.mesh
         )
         return TrainState(
             step=NamedSharding(self.layout.mesh, P()),
@@ -157,6 +165,13 @@ class Trainer:
     def setup(self, key: jax.Array, *example_inputs: Any) -> None:
         """Trace the model once to learn its parameter shapes and layer stacks (no memory used)."""
         abstract, stacks = self._abstract_params(key, example_inputs)
+        for path, leaf in _flatten(abstract).items():
+            if not jnp.issubdtype(leaf.dtype, jnp.floating):
+                raise TrainerError(
+                    f"parameter {'/'.join(map(str, path))} is {leaf.dtype}: every parameter is trained "
+                    "from an fp32 master copy by its gradient; keep integer state out of the 'params' "
+                    "collection (e.g. in a flax variable of another collection, or a constant)"
+                )
         self.params_layout = param_layout(self.layout, abstract, stacks)
 
     def init(self, key: jax.Array, *example_inputs: Any) -> TrainState:
@@ -171,10 +186,31 @@ class Trainer:
         return jax.jit(make, out_shardings=shardings)(key)
 
     def state_from_params(self, params: Any) -> TrainState:
-        """A fresh state (step 0, new optimizer state) from a full parameter tree (e.g. pretrained)."""
+        """A fresh state (step 0, new optimizer state) from a full parameter tree, e.g. pretrained.
+
+        `params` is nested dicts of arrays (any array type and float dtype; cast to fp32) with the
+        paths and shapes of `model.init(...)["params"]`, such as `amsp_jax.load_params(run_dir)` or
+        `amsp_jax.read_params(file)` return. `setup()` must have run; every process passes all of it.
+        """
         assert self.params_layout is not None, "call setup() or init() first"
+        flat = _flatten(params)
+        given = {path: tuple(np.shape(x)) for path, x in flat.items()}
+        expected = {path: leaf.shape for path, leaf in self.params_layout.leaves.items()}
+        if given != expected:
+            name = "/".join
+            wrong = [
+                f"{name(p)}: {given.get(p, 'missing')} here {expected.get(p, 'none')}"
+                for p in sorted(set(given) | set(expected), key=str)
+                if given.get(p) != expected.get(p)
+            ]
+            more = f" (+{len(wrong) - 4} more)" if len(wrong) > 4 else ""
+            raise ValueError(
+                f"the parameters do not fit this model: {'; '.join(wrong[:4])}{more}; give the parameters "
+                "of the model this Trainer trains (same config)"
+            )
         shardings = self.state_shardings()
-        master = jax.device_put(jax.tree.map(lambda x: np.asarray(x, np.float32), params), shardings.master)
+        host = traverse_util.unflatten_dict({p: np.asarray(flat[p], np.float32) for p in expected})
+        master = jax.device_put(host, shardings.master)
         return jax.jit(self._fresh_state, out_shardings=shardings)(master)
 
     def assemble(self, step: Any, master: Any, opt_state: Any) -> TrainState:
@@ -207,25 +243,21 @@ class Trainer:
     # ---- the step ----------------------------------------------------------------------------------
 
     def _refresh(self, master: Any) -> Any:
-        """New P from the OS-sharded master: cast, then all-gather the axes OS has beyond P (or slice)."""
-        layout, pl = self.layout, self.params_layout
+        """New P from the OS-sharded master: cast, then the schedule's gathers (or a slice) onto P."""
+        layout, pl, schedule = self.layout, self.params_layout, self.schedule
         assert pl is not None
         dtype = jnp.dtype(self.plan.precision.param_dtype)
-        p_axes, o_axes = layout.axes("params"), layout.axes("opt_state")
 
-        def refresh_leaf(path: Path, block: jax.Array) -> jax.Array:
-            leaf = pl.leaves[path]
+        def refresh_leaf(leaf: LeafSchedule, block: jax.Array) -> jax.Array:
             block = block.astype(dtype)
-            if leaf.dim is None:
-                return block
-            if set(p_axes) <= set(o_axes):
-                extra = [a for a in o_axes if a not in p_axes]
-                return collectives.all_gather(layout, block, extra, leaf.dim, replicated=True)
-            return collectives.local_slice(layout, block, [a for a in p_axes if a not in o_axes], leaf.dim)
+            if leaf.refresh_slice:
+                return collectives.local_slice(layout, block, leaf.refresh_slice, leaf.split.dim)
+            return collectives.execute(block, leaf.refresh, replicated=True)
 
         def body(master_blocks: Any) -> Any:
             flat = _flatten(master_blocks)
-            return traverse_util.unflatten_dict({p: refresh_leaf(p, x) for p, x in flat.items()})
+            refreshed = {p: refresh_leaf(schedule.leaves[p], x) for p, x in flat.items()}
+            return traverse_util.unflatten_dict(refreshed)
 
         specs = lambda comp: pl.tree(lambda _, leaf: leaf.specs[comp])  # noqa: E731
         return jax.shard_map(
@@ -235,42 +267,41 @@ class Trainer:
     def _micro_loss(self) -> Callable[[dict[Path, jax.Array], dict[Path, jax.Array], Any], jax.Array]:
         """`micro_loss(sinks, P blocks, micro-batch)` for use inside shard_map: gathers P (per layer in
         stacks), runs the user's loss, and routes gradients into the G-shaped sinks."""
-        layout, pl, plan = self.layout, self.params_layout, self.plan
+        layout, pl, plan, schedule = self.layout, self.params_layout, self.plan, self.schedule
         assert pl is not None
         reduce_dtype = jnp.dtype(plan.precision.reduce_dtype)
         remat, policy = plan.remat_policy()
 
-        def leaf_axes(leaf: LeafLayout, stacked: bool) -> tuple[tuple[str, ...], tuple[str, ...], int | None]:
-            dim = None if leaf.dim is None else leaf.dim - int(stacked)
-            if dim is None:
-                return (), (), None
-            return layout.axes("params"), layout.axes("grads"), dim
+        def gather_fn(leaf: LeafSchedule) -> Callable[[jax.Array, jax.Array], jax.Array]:
+            return collectives.make_gather(layout, leaf.gather, leaf.grad_reduce, reduce_dtype)
 
-        def gather_fn(leaf: LeafLayout, stacked: bool) -> Callable[[jax.Array, jax.Array], jax.Array]:
-            return collectives.make_gather(layout, *leaf_axes(leaf, stacked), reduce_dtype)
-
-        def per_leaf(fn: Callable[..., jax.Array], axes: dict[Path, Any]) -> Callable[..., Any]:
+        def per_leaf(fn: Callable[..., jax.Array], leaves: dict[Path, LeafSchedule]) -> Callable[..., Any]:
             def apply(*trees: Any) -> Any:
                 flats = [_flatten(t) for t in trees]
                 return traverse_util.unflatten_dict(
-                    {p: fn(axes[p], *(f[p] for f in flats)) for p in flats[0]}
+                    {p: fn(leaves[p], *(f[p] for f in flats)) for p in flats[0]}
                 )
 
             return apply
 
         stack_ops: dict[Path, StackOps] = {}
+        prefetching: set[Path] = set()
         for stack in pl.stacks:
-            inner = {p[len(stack) :]: leaf for p, leaf in pl.leaves.items() if p[: len(stack)] == stack}
-            axes = {p: leaf_axes(leaf, stacked=True) for p, leaf in inner.items()}
-            gathers = {p: gather_fn(leaf, stacked=True) for p, leaf in inner.items()}
+            inner = {p[len(stack) :]: leaf for p, leaf in schedule.leaves.items() if p[: len(stack)] == stack}
+            gathers = {p: gather_fn(leaf) for p, leaf in inner.items()}
             stack_ops[stack] = StackOps(
                 gather_with_sink=per_leaf(lambda g, block, sink: g(block, sink), gathers),
-                gather=per_leaf(lambda a, block: collectives.gather_weights(layout, block, a[0], a[2]), axes),
+                gather=per_leaf(
+                    lambda leaf, block: collectives.gather_weights(layout, block, leaf.gather), inner
+                ),
                 reduce=per_leaf(
-                    lambda a, grad: collectives.reduce_gradient(layout, grad, a[1], a[2], reduce_dtype), axes
+                    lambda leaf, grad: collectives.reduce_gradient(grad, leaf.grad_reduce, reduce_dtype),
+                    inner,
                 ),
             )
-        top_gathers = {p: gather_fn(leaf, False) for p, leaf in pl.leaves.items() if pl.stack_of(p) is None}
+            if schedule.prefetches(next(iter(inner.values())).layers):
+                prefetching.add(stack)
+        top_gathers = {p: gather_fn(leaf) for p, leaf in schedule.leaves.items() if not leaf.stacked}
 
         def micro_loss(
             sinks: dict[Path, jax.Array], blocks: dict[Path, jax.Array], micro_batch: Any
@@ -282,7 +313,7 @@ class Trainer:
                 )
                 for stack in pl.stacks
             }
-            context = LayerContext(stack_ops, stack_sinks, policy, remat, prefetch=uses_prefetch(plan))
+            context = LayerContext(stack_ops, stack_sinks, policy, remat, prefetch=frozenset(prefetching))
             with layer_context(context):
                 loss = self.loss_fn(traverse_util.unflatten_dict(tree), micro_batch)
             return loss.astype(jnp.float32)
@@ -306,28 +337,16 @@ class Trainer:
 
     def _gradients(self, params: Any, batch: Any) -> tuple[Any, jax.Array]:
         """Mean loss and the summed-then-averaged gradient on OS's placement, from P shards and a batch."""
-        layout, pl, plan = self.layout, self.params_layout, self.plan
+        layout, pl, plan, schedule = self.layout, self.params_layout, self.plan, self.schedule
         assert pl is not None
-        micro_batches = plan.micro_batches
-        count = layout.cluster.num_devices * micro_batches
+        count = layout.cluster.num_devices * plan.micro_batches
         reduce_dtype = jnp.dtype(plan.precision.reduce_dtype)
         all_axes = layout.all_axes
         micro_loss = self._micro_loss()
 
         def to_opt_state(path: Path, g_block: jax.Array) -> jax.Array:
-            leaf = pl.leaves[path]
-            g_axes = layout.axes("grads") if leaf.dim is not None else ()
-            o_axes = layout.axes("opt_state") if leaf.dim is not None else ()
-            x = g_block.astype(reduce_dtype)
-            if set(g_axes) <= set(o_axes):
-                extra = [a for a in o_axes if a not in g_axes]
-                x = collectives.reduce_scatter(layout, x, extra, leaf.dim) if extra else x
-                x = collectives.all_reduce(layout, x, [a for a in all_axes if a not in o_axes])
-            else:
-                x = collectives.all_reduce(layout, x, [a for a in all_axes if a not in g_axes])
-                extra = [a for a in g_axes if a not in o_axes]
-                x = collectives.all_gather(layout, x, extra, leaf.dim, replicated=True)
-            return x.astype(jnp.float32) / count
+            reduced = collectives.execute(g_block.astype(reduce_dtype), schedule.leaves[path].reduction, True)
+            return reduced.astype(jnp.float32) / count
 
         def body(param_blocks: Any, local_batch: Any) -> tuple[Any, jax.Array]:
             blocks = _flatten(param_blocks)
@@ -342,7 +361,7 @@ class Trainer:
                 accumulated = {p: accumulated[p] + grads[p] for p in accumulated}
                 return (accumulated, loss_sum + loss), None
 
-            if micro_batches == 1:
+            if not schedule.accumulates:
                 # No accumulator: one fp32 G-sized buffer less.
                 only = jax.tree.map(lambda x: x[0], split)
                 loss_sum, accumulated = jax.value_and_grad(micro_loss)(sinks, blocks, only)
@@ -397,19 +416,31 @@ class Trainer:
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.master)
         master = optax.apply_updates(state.master, updates)
+        # As optax.apply_if_finite: a non-finite loss or gradient leaves master and optimizer state as
+        # they were (a select, so the state keeps its structure and checkpoints); the step still counts.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        master = jax.tree.map(keep, master, state.master)
+        opt_state = jax.tree.map(keep, opt_state, state.opt_state)
         new_state = TrainState(state.step + 1, self._refresh(master), master, opt_state)
         return new_state, {"loss": loss, "grad_norm": grad_norm}
 
     def check_batch(self, batch: Any) -> None:
         """Raise a clear error when the global batch does not split into devices × micro-batches."""
         devices, micro = self.layout.cluster.num_devices, self.plan.micro_batches
-        sizes = {x.shape[0] if len(x.shape) else None for x in jax.tree.leaves(batch)}
+        leaves = jax.tree.leaves(batch)
+        if not leaves or not all(hasattr(x, "shape") for x in leaves):
+            raise TrainerError(
+                "a batch is a tree of arrays with the global batch as their first dimension, e.g. "
+                f"{{'inputs': tokens, 'targets': tokens}}; got {type(batch).__name__}"
+            )
+        sizes = {x.shape[0] if len(x.shape) else None for x in leaves}
         if None in sizes or len(sizes) != 1:
-            raise ValueError(f"every batch leaf needs the same leading batch dimension, got {sizes}")
+            raise TrainerError(f"every batch leaf needs the same leading batch dimension, got {sizes}")
         size = sizes.pop()
         unit = devices * micro
         if size % unit:
-            raise ValueError(
+            raise TrainerError(
                 f"global batch {size} does not split into {devices} devices x {micro} micro-batches; "
                 f"use a multiple of {unit} (e.g. {max(1, size // unit) * unit})"
             )
@@ -496,8 +527,33 @@ class Trainer:
         return "\n".join(lines)
 
     def step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        """One optimizer step over a global batch (host arrays or already sharded); returns new state."""
+        """One optimizer step over a global batch (host arrays or already sharded); returns new state.
+
+        The step takes ownership of `state` (its buffers are donated): use the returned state from then
+        on. A step whose loss or gradient norm is not finite leaves the parameters and optimizer state
+        as they were (only `step` advances), as `optax.apply_if_finite` does.
+        """
+        if self.params_layout is None:
+            raise TrainerError("call trainer.init(key, example_inputs) before step(), or setup() and restore")
+        if not isinstance(state, TrainState):
+            raise TrainerError(f"step() needs the TrainState init() returned, got {type(state).__name__}")
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+            raise TrainerError(
+                "this state was consumed by an earlier step(): the step takes ownership of (donates) the "
+                "state it is given; use the state it returned, as in `state, metrics = trainer.step(state, "
+                "batch)`"
+            )
         self.check_batch(batch)
         if not all(isinstance(x, jax.Array) and len(x.devices()) > 1 for x in jax.tree.leaves(batch)):
             batch = self.shard_batch(batch)
-        return self.compile(state, batch)(state, batch)
+        try:
+            compiled = self.compile(state, batch)
+        except TypeError as error:
+            # jax.grad's message for a loss of any shape but (): say what the loss function must return.
+            if "scalar-output" not in str(error):
+                raise
+            raise TrainerError(
+                f"loss_fn must return a scalar, the mean loss of the micro-batch ({one_line(error)}); reduce "
+                "it, e.g. with jnp.mean"
+            ) from None
+        return compiled(state, batch)

@@ -1,10 +1,10 @@
 """The time model: step time, tokens/s and MFU from the cost model's bytes and a cluster's hardware.
 
 Built on `amsp_jax.cost`, never beside it: the bytes of every collective come from
-`cost.leaf_transfers` (the same numbers the audit checks against the compiled program), regrouped by
-the compute they can hide behind. Each group's time is the sum over its (kind, level) transfers of
-`bytes / busbw(bytes / executions)` (see `amsp_jax.cluster_config` for why that is the nccl-tests
-convention for per-device ring bytes).
+`cost.leaf_transfers` (the step's schedule: the same numbers the audit checks against the compiled
+program), regrouped by the compute they can hide behind. Each op is priced by its kind, link level,
+group size and nodes spanned: `executions × latency(kind, group, nodes) + bytes / busbw(bytes /
+executions)` (NCCL's ring latency grows with the ring; see `amsp_jax.cluster_config`).
 
 Compute: model FLOPs per token 6Φ + 12·L·H·Q·T (forward 1/3, backward 2/3) plus what remat runs
 again — `full` repeats each layer's forward (2Φ_layers + 4·L·H·Q·T per token); `dots` keeps every
@@ -83,13 +83,18 @@ Traffic = Mapping[str, tuple[Transfer, ...]]
 
 
 def merge(transfers: list[tuple[int, Transfer]], group: str) -> tuple[Transfer, ...]:
-    """`(count, transfer)` pairs summed by (kind, level), as `cost.communication` merges them."""
-    totals: dict[tuple[str, str], list[int]] = {}
+    """`(count, transfer)` pairs summed by (kind, level, group size, nodes), as `cost.communication`
+    merges them; ops over groups of different size stay apart (their latencies differ)."""
+    totals: dict[tuple[str, str, int, int], list[int]] = {}
     for count, t in transfers:
-        entry = totals.setdefault((t.kind, t.level), [0, 0])
+        entry = totals.setdefault((t.kind, t.level, t.group, t.nodes), [0, 0])
         entry[0] += count * t.bytes
         entry[1] += count * t.executions
-    return tuple(Transfer(group, kind, level, b, e) for (kind, level), (b, e) in sorted(totals.items()) if b)
+    return tuple(
+        Transfer(group, kind, level, b, e, size, nodes)
+        for (kind, level, size, nodes), (b, e) in sorted(totals.items())
+        if b
+    )
 
 
 def distinct_leaves(workload: Workload) -> list[tuple[LeafShape, int]]:
@@ -108,10 +113,15 @@ def traffic(axes: AxisPlan, workload: Workload) -> Traffic:
     return {g: merge(items, g) for g, items in by_group.items()}
 
 
+def transfer_time(t: Transfer, cluster: ClusterConfig) -> float:
+    """Seconds of one (merged) transfer on `cluster`."""
+    return cluster.collective_time(t.kind, t.level, t.bytes, t.executions, t.group, t.nodes)
+
+
 def communication_times(traffic: Traffic, cluster: ClusterConfig) -> dict[str, float]:
     """Seconds of each group's collectives, one after another on the links."""
     return {
-        group: sum(cluster.collective_time(t.kind, t.level, t.bytes, t.executions) for t in transfers)
+        group: sum(transfer_time(t, cluster) for t in transfers)
         for group, transfers in traffic.items()
     }
 
@@ -193,7 +203,9 @@ def windows(comm: Mapping[str, float], compute: Compute) -> dict[str, tuple[floa
 
 
 def exposed_times(comm: Mapping[str, float], compute: Compute, cluster: ClusterConfig) -> dict[str, float]:
-    """Communication seconds left visible in each overlap window."""
+    """Communication seconds left visible in each overlap window (all of it where nothing overlaps)."""
+    if not cluster.overlap_enabled:
+        return {name: seconds for name, (seconds, _) in windows(comm, compute).items()}
     fractions = {"reduction": cluster.reduction_overlap}
     return {
         name: exposed(seconds, fractions.get(name, 1.0) * hide, cluster.overlap_interference)

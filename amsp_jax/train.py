@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from amsp_jax import cluster_config
 from amsp_jax import data as data_lib
-from amsp_jax.checkpoint import Checkpointer, CheckpointError
+from amsp_jax.checkpoint import Checkpointer, CheckpointError, read_params
 from amsp_jax.cluster_config import ClusterConfig
 from amsp_jax.distributed import is_primary
 from amsp_jax.errors import AmspError, check_field_types, one_line
@@ -100,6 +100,9 @@ class TrainConfig:
     """Where checkpoints and metrics go; `{time}` becomes the start time."""
     resume: bool = False
     """Continue from the latest checkpoint in `run_dir` (an error if there is none)."""
+    init_from: str | None = None
+    """A parameter file to start from (`amsp-jax export`'s safetensors, or Flax msgpack), with a fresh
+    optimizer state; ignored when resuming, whose checkpoint holds the run's own weights."""
     progress: bool = True
     stop_after_bad_steps: int = 5
     """A step whose loss or gradient norm is not finite leaves the state as it was (it is skipped and
@@ -246,6 +249,8 @@ class PlanChoice:
     micro_batches: int
     remat: str
     note: str
+    hierarchical: bool = True
+    prefetch: bool | None = None
 
 
 def auto_plan(
@@ -272,10 +277,15 @@ def auto_plan(
         )
     except partitioner.PlanError as error:
         raise ConfigError(f"strategy auto: {error}") from None
+    collectives = "split at node boundaries" if chosen.implementation.hierarchical else "flat"
     note = (
-        f"auto: the partitioner's choice for {hardware.name}, M={chosen.micro_batches}, remat {chosen.remat}"
+        f"auto: the partitioner's choice for {hardware.name}, M={chosen.micro_batches}, remat "
+        f"{chosen.remat}, {collectives} collectives"
     )
-    return PlanChoice(chosen.strategy, chosen.micro_batches, chosen.remat, note)
+    return PlanChoice(
+        chosen.strategy, chosen.micro_batches, chosen.remat, note,
+        chosen.implementation.hierarchical, chosen.implementation.prefetch,
+    )  # fmt: skip
 
 
 def choose_plan(
@@ -503,8 +513,9 @@ def _setup(
     cluster, hardware = choose_cluster(config.cluster, devices)
     choice = choose_plan(model_config, cluster, hardware, config)
     plan = Plan(
-        cluster, choice.strategy, choice.micro_batches, precision=config.precision, remat=choice.remat
-    )
+        cluster, choice.strategy, choice.micro_batches, precision=config.precision, remat=choice.remat,
+        hierarchical=choice.hierarchical, prefetch=choice.prefetch,
+    )  # fmt: skip
     model = Llama(model_config)
     trainer = Trainer(plan, model, make_optimizer(config), make_loss_fn(model), devices=devices)
     example = np.zeros((config.global_batch, config.seq_len), np.int32)
@@ -519,6 +530,14 @@ def _setup(
             f"resumed at step {int(state.step)}, saved under {restored.meta.get('strategy')} on "
             f"{restored.meta.get('cluster')}"
         )
+    elif config.init_from:
+        trainer.setup(init_key, example)
+        try:
+            state = trainer.state_from_params(read_params(config.init_from))
+        except ValueError as error:
+            raise ConfigError(f"init_from {config.init_from}: {error}") from None
+        data_seed, position = np.asarray(jax.random.key_data(data_key)), 0
+        origin = f"fresh start from the parameters in {config.init_from}"
     else:
         state = trainer.init(init_key, example)
         data_seed, position, origin = np.asarray(jax.random.key_data(data_key)), 0, "fresh start"

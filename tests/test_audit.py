@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from amsp_jax import audit, cost
-from amsp_jax.layers import MIN_PREFETCH_LAYERS
+from amsp_jax.schedule import MIN_PREFETCH_LAYERS
 from tests.helpers import STRATEGIES, TINY, train_data, trained
 
 DIMS = cost.llama_dims(TINY)

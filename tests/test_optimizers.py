@@ -160,7 +160,7 @@ PLANS = [(name, strategy, m) for name in OPTIMIZERS for strategy, m in [("zero3"
 @pytest.mark.parametrize(("name", "strategy", "micro_batches"), PLANS)
 def test_optimizer_step_equals_single_device_reference(name, strategy, micro_batches):
     expected_losses, expected_params = reference(name)
-    trainer, state, losses = trained(name, strategy, micro_batches)
+    _, state, losses = trained(name, strategy, micro_batches)
     rtol = TOLERANCE.get(name, 1e-5)
     np.testing.assert_allclose(losses, expected_losses, rtol=rtol)
     assert max_relative_error(jax.tree.map(np.asarray, state.master), expected_params) < rtol

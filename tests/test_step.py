@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import amsp_jax as aj
-from amsp_jax.layers import MIN_PREFETCH_LAYERS
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
+from amsp_jax.schedule import MIN_PREFETCH_LAYERS
 from tests.helpers import (
     CLUSTER,
     STEPS,

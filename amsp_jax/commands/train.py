@@ -39,6 +39,10 @@ OVERRIDES: dict[str, tuple[type, str]] = {
     "seed": (int, "initialisation and data seed"),
     "data_dtype": (str, "token dtype of raw .bin token files (uint16 or int32)"),
     "cpu_devices": (int, "simulated devices when there is no accelerator"),
+    "init_from": (
+        str,
+        "start from the parameters in this file (amsp-jax export's .safetensors, or .msgpack)",
+    ),
     "stop_after_bad_steps": (int, "stop after this many steps in a row with a non-finite loss (skipped)"),
 }
 

@@ -1,0 +1,320 @@
+"""The step's operations per leaf: the one place where the step's rules live.
+
+A `Schedule` lists, for every parameter leaf, each collective the step issues: its kind, the mesh
+axes of the group, the dimension it splits or joins, the element count and dtype of its input on one
+device, how many times it runs per step and in which phase. `amsp_jax.step` executes these ops
+(through `amsp_jax.collectives.execute`), `amsp_jax.cost` counts their bytes and memory,
+`amsp_jax.timing` prices them, and `amsp_jax.audit` checks the compiled program against them. The
+rules that decide what runs are here and nowhere else:
+
+  - `uses_prefetch`: whether a layer stack runs the explicit-prefetch loop or the checkpointed scan;
+  - `accumulates`: whether the step keeps an fp32 gradient accumulator (only with several
+    micro-batches);
+  - how a collective over axes that span nodes is issued (`Implementation.hierarchical`): split into
+    runs of intra- and inter-node axes (a reduce-scatter intra first, an all-gather inter first, an
+    all-reduce as reduce-scatter / all-reduce / all-gather), or flat over the whole group;
+  - the G→OS reduction and the P refresh, by how the groups of G, OS and P nest;
+  - how often each phase runs (per layer and micro-batch, once per step, hoisted out of the
+    micro-batch loop) and the bytes a device sends in each op (ring convention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+
+from amsp_jax.sharding import AxisPlan, LeafLayout, leaf_layout
+
+FORWARD_GATHER = "P gather, layers (forward)"
+BACKWARD_GATHER = "P re-gather, layers (backward)"
+OTHER_GATHER = "P gather, other leaves (once per step)"
+GRAD_REDUCE = "G reduce-scatter (per micro-batch)"
+REDUCTION = "G to OS reduction (once per step)"
+REFRESH = "P refresh (once per step)"
+PHASES = (FORWARD_GATHER, BACKWARD_GATHER, OTHER_GATHER, GRAD_REDUCE, REDUCTION, REFRESH)
+
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all-gather", "reduce-scatter", "all-reduce"
+
+# XLA unrolls one- and two-trip loops and then merges the forward and backward gathers of a peeled
+# layer (keeping it gathered), so short stacks stay on the checkpointed scan.
+MIN_PREFETCH_LAYERS = 4
+
+
+def uses_prefetch(micro_batches: int, remat: str, layers: int, prefetch: bool | None = None) -> bool:
+    """Whether a stack of `layers` runs the explicit-prefetch loop (else the checkpointed scan).
+
+    The loop's first gathers sit outside the layer loops; inside a micro-batch loop XLA hoists those
+    loop-invariant gathers out of it (and may merge them with the backward ones), so it is only used
+    with one micro-batch and full remat (the loop recomputes every layer). `prefetch=False` turns it
+    off (on a backend that cannot overlap, the loop only adds work); None or True keep the rule.
+    """
+    if prefetch is False:
+        return False
+    return remat == "full" and micro_batches == 1 and layers >= MIN_PREFETCH_LAYERS
+
+
+def accumulates(micro_batches: int) -> bool:
+    """Whether the step keeps an fp32 G accumulator: with one micro-batch the gradient is the sum."""
+    return micro_batches > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """How the step issues its collectives; the planner may choose these."""
+
+    hierarchical: bool = True
+    prefetch: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One collective as the step issues it, on one device.
+
+    `elements` counts this device's input (for an all-gather: its block; for a reduce-scatter or an
+    all-reduce: the full buffer). `dim` is the tensor dimension split or joined (of one layer for a
+    layer stack); None means the op runs on the flattened buffer (the hierarchical all-reduce).
+    """
+
+    phase: str
+    kind: str
+    axes: tuple[str, ...]
+    group: int
+    nodes: int
+    level: str
+    dim: int | None
+    elements: int
+    itemsize: int
+    executions: int
+
+    def bytes_sent(self, min_itemsize: int = 1) -> int:
+        """Bytes this device sends in one execution (nccl-tests ring convention)."""
+        size = self.elements * max(self.itemsize, min_itemsize)
+        if self.kind == ALL_GATHER:
+            return (self.group - 1) * size
+        factor = 2 if self.kind == ALL_REDUCE else 1
+        return -(-factor * (self.group - 1) * size // self.group)
+
+    def output_elements(self) -> int:
+        """Elements of this device's result."""
+        if self.kind == ALL_GATHER:
+            return self.elements * self.group
+        if self.kind == REDUCE_SCATTER:
+            return self.elements // self.group
+        return self.elements
+
+
+def runs(axes: AxisPlan, group_axes: Sequence[str]) -> list[tuple[str, ...]]:
+    """Split ordered `group_axes` into maximal runs of intra-node or inter-node axes, order kept."""
+    return [tuple(group) for _, group in itertools.groupby(group_axes, key=axes.is_inter)]
+
+
+def nodes_spanned(axes: AxisPlan, group_axes: Sequence[str]) -> int:
+    """Nodes one group over `group_axes` touches."""
+    return axes.size([a for a in group_axes if axes.is_inter(a)])
+
+
+def _level(axes: AxisPlan, group_axes: Sequence[str]) -> str:
+    return "inter" if any(axes.is_inter(a) for a in group_axes) else "intra"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Builder:
+    axes: AxisPlan
+    hierarchical: bool
+
+    def op(
+        self, phase: str, kind: str, group_axes: Sequence[str], dim: int | None, elements: int,
+        itemsize: int, executions: int,
+    ) -> Op:  # fmt: skip
+        group_axes = tuple(group_axes)
+        return Op(
+            phase, kind, group_axes, self.axes.size(group_axes), nodes_spanned(self.axes, group_axes),
+            _level(self.axes, group_axes), dim, elements, itemsize, executions,
+        )  # fmt: skip
+
+    def pieces(self, group_axes: Sequence[str]) -> list[tuple[str, ...]]:
+        if not group_axes:
+            return []
+        return runs(self.axes, group_axes) if self.hierarchical else [tuple(group_axes)]
+
+    def all_gather(
+        self, phase: str, group_axes: Sequence[str], dim: int, block: int, itemsize: int, executions: int
+    ) -> list[Op]:
+        """Gather over `group_axes` (major first): the minor run first, so nodes exchange the small piece."""
+        ops, elements = [], block
+        for run in reversed(self.pieces(group_axes)):
+            ops.append(self.op(phase, ALL_GATHER, run, dim, elements, itemsize, executions))
+            elements *= self.axes.size(run)
+        return ops
+
+    def reduce_scatter(
+        self, phase: str, group_axes: Sequence[str], dim: int, full: int, itemsize: int, executions: int
+    ) -> list[Op]:
+        """Reduce-scatter over `group_axes` (major first): the major run first, intra-node by layout."""
+        ops, elements = [], full
+        for run in self.pieces(group_axes):
+            ops.append(self.op(phase, REDUCE_SCATTER, run, dim, elements, itemsize, executions))
+            elements //= self.axes.size(run)
+        return ops
+
+    def all_reduce(
+        self, phase: str, group_axes: Sequence[str], elements: int, itemsize: int, executions: int
+    ) -> list[Op]:
+        """Sum over `group_axes`; across nodes as intra reduce-scatter, inter all-reduce, intra all-gather
+        when hierarchical and the buffer splits over the node's devices."""
+        if not group_axes:
+            return []
+        intra = tuple(a for a in group_axes if not self.axes.is_inter(a))
+        inter = tuple(a for a in group_axes if self.axes.is_inter(a))
+        if not (self.hierarchical and intra and inter and elements % self.axes.size(intra) == 0):
+            return [self.op(phase, ALL_REDUCE, group_axes, None, elements, itemsize, executions)]
+        piece = elements // self.axes.size(intra)
+        return [
+            self.op(phase, REDUCE_SCATTER, intra, None, elements, itemsize, executions),
+            self.op(phase, ALL_REDUCE, inter, None, piece, itemsize, executions),
+            self.op(phase, ALL_GATHER, intra, None, piece, itemsize, executions),
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSchedule:
+    """Every collective one parameter leaf takes part in, by what the step does with it."""
+
+    path: tuple[str, ...]
+    split: LeafLayout
+    stacked: bool
+    gather: tuple[Op, ...]
+    regather: tuple[Op, ...]
+    grad_reduce: tuple[Op, ...]
+    reduction: tuple[Op, ...]
+    refresh: tuple[Op, ...]
+    refresh_slice: tuple[str, ...]
+
+    @property
+    def layers(self) -> int:
+        """Layers of a stacked leaf (1 otherwise)."""
+        return self.split.shape[0] if self.stacked else 1
+
+    @property
+    def layer_dim(self) -> int | None:
+        """The split dimension of one layer's tensor (the leaf's, less the stacked axis)."""
+        return None if self.split.dim is None else self.split.dim - int(self.stacked)
+
+    def ops(self) -> tuple[Op, ...]:
+        """Every op of this leaf, in step order."""
+        return self.gather + self.regather + self.grad_reduce + self.reduction + self.refresh
+
+
+def leaf_schedule(
+    axes: AxisPlan,
+    path: tuple[str, ...],
+    shape: Sequence[int],
+    stacked: bool,
+    micro_batches: int,
+    remat: str,
+    param_itemsize: int,
+    reduce_itemsize: int,
+    implementation: Implementation = Implementation(),
+) -> LeafSchedule:
+    """The collectives the step runs for one leaf, with their executions per step.
+
+    Layer-stack leaves are gathered per layer and micro-batch in the forward pass and again in the
+    backward pass unless remat is `none` (then the gathered weights are saved); their gradient is
+    reduce-scattered onto G per layer and micro-batch. Other leaves' gathers do not depend on the
+    micro-batch, so XLA hoists them out of the micro-batch loop (once per step); their gradient is
+    reduce-scattered per micro-batch. Once per step the G→OS reduction and the P refresh run.
+    """
+    split = leaf_layout(axes, shape, stacked)
+    build = _Builder(axes, implementation.hierarchical)
+    size = math.prod(shape)
+    layers = shape[0] if stacked else 1
+    per_layer = size // layers
+    all_axes = axes.all_axes
+    if split.dim is None:
+        # A leaf no dimension of can be split stays whole everywhere: only its gradient is summed.
+        reduction = build.all_reduce(REDUCTION, all_axes, size, reduce_itemsize, 1)
+        return LeafSchedule(tuple(path), split, stacked, (), (), (), tuple(reduction), (), ())
+    dim = split.dim - int(stacked)
+    p_axes, g_axes, o_axes = axes.axes("params"), axes.axes("grads"), axes.axes("opt_state")
+    p_block = per_layer // axes.size(p_axes)
+    per_micro_batch = layers * micro_batches
+    if stacked:
+        gather = build.all_gather(FORWARD_GATHER, p_axes, dim, p_block, param_itemsize, per_micro_batch)
+        regather = (
+            build.all_gather(BACKWARD_GATHER, p_axes, dim, p_block, param_itemsize, per_micro_batch)
+            if remat != "none"
+            else []
+        )
+    else:
+        gather, regather = build.all_gather(OTHER_GATHER, p_axes, dim, p_block, param_itemsize, 1), []
+    grad_reduce = build.reduce_scatter(GRAD_REDUCE, g_axes, dim, per_layer, reduce_itemsize, per_micro_batch)
+
+    g_block = size // axes.size(g_axes)
+    o_block = size // axes.size(o_axes)
+    if set(g_axes) <= set(o_axes):
+        # OS is finer than G: scatter over the axes OS adds, then sum over its replicas (MiCS' 2 hops).
+        extra = [a for a in o_axes if a not in g_axes]
+        reduction = build.reduce_scatter(REDUCTION, extra, split.dim, g_block, reduce_itemsize, 1)
+        reduction += build.all_reduce(
+            REDUCTION, [a for a in all_axes if a not in o_axes], o_block, reduce_itemsize, 1
+        )
+    else:
+        # G is finer than OS: sum over G's replicas, then gather the axes G has beyond OS.
+        reduction = build.all_reduce(
+            REDUCTION, [a for a in all_axes if a not in g_axes], g_block, reduce_itemsize, 1
+        )
+        reduction += build.all_gather(
+            REDUCTION, [a for a in g_axes if a not in o_axes], split.dim, g_block, reduce_itemsize, 1
+        )
+    if set(p_axes) <= set(o_axes):
+        extra = [a for a in o_axes if a not in p_axes]
+        refresh, refresh_slice = build.all_gather(REFRESH, extra, split.dim, o_block, param_itemsize, 1), ()
+    else:
+        refresh, refresh_slice = [], tuple(a for a in p_axes if a not in o_axes)
+    return LeafSchedule(
+        tuple(path), split, stacked, tuple(gather), tuple(regather), tuple(grad_reduce),
+        tuple(reduction), tuple(refresh), refresh_slice,
+    )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """One step's operations: every leaf's ops, and the step-wide choices they follow."""
+
+    leaves: dict[tuple[str, ...], LeafSchedule]
+    micro_batches: int
+    remat: str
+    implementation: Implementation
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether the step keeps an fp32 G accumulator."""
+        return accumulates(self.micro_batches)
+
+    def prefetches(self, layers: int) -> bool:
+        """Whether a stack of `layers` runs the explicit-prefetch loop."""
+        return uses_prefetch(self.micro_batches, self.remat, layers, self.implementation.prefetch)
+
+    def ops(self) -> list[Op]:
+        """Every op of the step."""
+        return [op for leaf in self.leaves.values() for op in leaf.ops()]
+
+
+def build(
+    axes: AxisPlan,
+    leaves: Iterable[tuple[tuple[str, ...], Sequence[int], bool]],
+    micro_batches: int,
+    remat: str,
+    param_itemsize: int,
+    reduce_itemsize: int,
+    implementation: Implementation = Implementation(),
+) -> Schedule:
+    """The schedule of a step over `leaves` given as (path, shape, stacked)."""
+    knobs = (micro_batches, remat, param_itemsize, reduce_itemsize, implementation)
+    scheduled = {
+        tuple(path): leaf_schedule(axes, tuple(path), shape, stacked, *knobs)
+        for path, shape, stacked in leaves
+    }
+    return Schedule(scheduled, micro_batches, remat, implementation)

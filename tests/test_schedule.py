@@ -1,0 +1,142 @@
+"""One schedule: the step executes it, the cost model prices it, the compiled program matches it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+import pytest
+
+import amsp_jax as aj
+from amsp_jax import audit, cost, partitioner, schedule
+from amsp_jax.cluster_config import load
+from amsp_jax.models.llama import Llama, make_loss_fn
+from tests.helpers import CLUSTER, STEPS, TINY, max_relative_error, optimizer, reference, train_data
+
+DIMS = cost.llama_dims(TINY)
+
+
+def _train(strategy: str, micro_batches: int, layers: int = TINY.n_layers, **knobs) -> tuple:
+    model = Llama(dataclasses.replace(TINY, n_layers=layers))
+    plan = aj.Plan(CLUSTER, aj.resolve(strategy, CLUSTER), micro_batches, precision="fp32", **knobs)
+    trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model))
+    data = train_data()
+    state = trainer.init(jax.random.key(0), data[0]["inputs"])
+    losses = []
+    for batch in data:
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return trainer, state, losses
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return reference(Llama(TINY), train_data(), jax.random.key(0))
+
+
+@pytest.mark.parametrize(("strategy", "micro_batches"), [("zero3", 3), ("p=2x1,g=4x1,os=4x2", 1), ("ddp", 1)])
+def test_flat_collectives_equal_reference_and_audit(expected, strategy, micro_batches):
+    trainer, state, losses = _train(strategy, micro_batches, hierarchical=False)
+    expected_losses, expected_params = expected
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert max_relative_error(trainer.full_params(state), expected_params) < 1e-5
+    assert int(state.step) == STEPS
+    report = audit.audit_trainer(trainer, train_data()[0], DIMS)
+    assert report.bytes_match, report.table()
+    # Every op spans one run of axes only when hierarchical; flat ones span the whole group.
+    groups = {op.group for op in trainer.schedule.ops()}
+    assert max(groups) == CLUSTER.num_devices or strategy != "zero3"
+
+
+def test_flat_zero3_sends_seven_eighths_of_each_layer_across_nodes():
+    # One flat ring over 8 devices: (n-1)/n of each gathered layer per device, all counted inter-node
+    # by the audit, of which N/n = 2/8 crosses the NICs; the split gather crosses with S/8 only.
+    trainer, _, _ = _train("zero3", 1, hierarchical=False)
+    report = audit.audit_trainer(trainer, train_data()[0], DIMS)
+    layer_bytes = sum(
+        4 * math.prod(leaf.shape) // leaf.shape[0]
+        for path, leaf in trainer.params_layout.leaves.items()
+        if trainer.params_layout.stack_of(path) is not None
+    )
+    other_bytes = sum(
+        4 * math.prod(leaf.shape)
+        for path, leaf in trainer.params_layout.leaves.items()
+        if trainer.params_layout.stack_of(path) is None
+    )
+    gathered = 2 * TINY.n_layers * layer_bytes + other_bytes  # forward and backward; others once
+    measured = report.measured.bytes_by_kind_and_level()["all-gather"]
+    assert measured == {"intra": 0, "inter": 7 * gathered // 8}
+    workload = audit.workload_of(trainer, train_data()[0], DIMS)
+    links = cost.link_bytes(trainer.layout, workload)
+    assert links["nic"] * 8 == (links["nic"] + links["node"]) * 2
+
+
+def test_step_and_cost_model_read_one_prefetch_rule(monkeypatch):
+    # The rule lives in `schedule`; changing it there changes what the step traces and what the cost
+    # model holds in memory. The prefetch loop has its own backward, so its program has no remat.
+    layers = schedule.MIN_PREFETCH_LAYERS
+
+    def has_remat(trainer) -> bool:
+        abstract = trainer.abstract_state()
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), train_data()[0])
+        return "remat" in str(jax.make_jaxpr(trainer._train_step)(abstract, batch))
+
+    def planned(**knobs):
+        model = Llama(dataclasses.replace(TINY, n_layers=layers))
+        plan = aj.Plan(CLUSTER, aj.resolve("zero3", CLUSTER), 1, precision="fp32", **knobs)
+        trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model))
+        trainer.setup(jax.random.key(0), train_data()[0]["inputs"])
+        workload = audit.workload_of(trainer, train_data()[0], cost.llama_dims(model.config))
+        return trainer, cost.memory(trainer.layout, workload).gathered
+
+    looped, looped_gathered = planned()
+    scanned, scanned_gathered = planned(prefetch=False)
+    assert not has_remat(looped) and has_remat(scanned)
+    assert looped_gathered > scanned_gathered
+    monkeypatch.setattr(schedule, "MIN_PREFETCH_LAYERS", layers + 1)
+    moved, moved_gathered = planned()
+    assert has_remat(moved) and moved_gathered == scanned_gathered
+
+
+def test_schedule_is_the_cost_models_source():
+    trainer, _, _ = _train("p=2x1,g=4x1,os=4x2", 3)
+    workload = audit.workload_of(trainer, train_data()[0], DIMS)
+    from_cost = [
+        op for leaf in workload.leaves for op in cost.schedule_leaf(trainer.layout, workload, leaf).ops()
+    ]
+    assert from_cost == trainer.schedule.ops()
+
+
+def test_nccl_latency_grows_with_the_ring():
+    # NCCL's ring (Simple protocol): 8.4 us + 3.4 us per NVLink step + 14 us per network step.
+    config = load("configs/clusters/a800-8x-ib800.yaml")
+    assert config.latency("all-gather", 1024, 128) == pytest.approx((8.4 + 896 * 3.4 + 127 * 14) * 1e-6)
+    assert config.latency("all-reduce", 16, 2) == pytest.approx((8.4 + 2 * (14 * 3.4 + 14)) * 1e-6)
+    small, large = (config.collective_time("all-gather", "inter", 2**20, 1, n, n) for n in (2, 128))
+    assert large - small == pytest.approx(126 * 14e-6)
+
+
+def test_flat_ring_across_nodes_is_paced_by_the_slower_of_nics_and_node_links():
+    config = load("configs/clusters/a800-8x-ib800.yaml")
+    size = 7 * 2**28  # a flat all-gather over 16 devices on 2 nodes: 2/16 of it crosses the NICs
+    nic, node = size * 2 // 16, size - size * 2 // 16
+    expected = max(
+        nic / config.busbw("all-gather", "inter", nic), node / config.busbw("all-gather", "intra", size)
+    )
+    latency = config.latency("all-gather", 16, 2)
+    assert config.collective_time("all-gather", "inter", size, 1, 16, 2) == pytest.approx(latency + expected)
+
+
+def test_planner_compares_flat_and_split_collectives_and_hands_back_a_plan():
+    request = partitioner.make_request("configs/models/tiny.yaml", "cpu-sim", seq_len=32, global_batch=8)
+    choices = {i.hierarchical for i in partitioner.implementations(request)}
+    assert choices == {True, False}
+    chosen = partitioner.plan(request)
+    plan = chosen.to_plan(CLUSTER, "fp32")
+    assert plan.hierarchical == chosen.implementation.hierarchical and plan.strategy == chosen.strategy
+    # The CPU backend cannot overlap collectives with compute: no prefetch loop there.
+    assert plan.prefetch is False
+    one_node = dataclasses.replace(request, cluster=request.cluster.with_shape(1, 8))
+    assert {i.hierarchical for i in partitioner.implementations(one_node)} == {True}
