@@ -129,7 +129,8 @@ def measure(compiled: jax.stages.Compiled, axes: AxisPlan, layer_scopes: tuple[s
     levels = tuple("inter" if hlo.crosses(c, node_of_device) else "intra" for c in found)
     total, stats = compiled_memory(compiled)
     by_name = hlo.overlaps(text)
-    return Measured(found, levels, total, stats, tuple(by_name[c.name] for c in found), layer_scopes)
+    overlap = tuple(by_name[c.name.removesuffix(".scalars")] for c in found)
+    return Measured(found, levels, total, stats, overlap, layer_scopes)
 
 
 def _parts(op_name: str) -> list[str]:

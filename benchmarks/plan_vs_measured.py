@@ -1,0 +1,201 @@
+"""Predicted against measured step time: every preset, random valid strategies and the planner's choice.
+
+For each model size every configuration is compiled, its step time predicted by the time model
+(`amsp_jax.timing.estimate` on the cluster config, default `cpu-sim`) and measured: rounds of
+(fresh state, one warm-up step, timed steps) over all configurations, each round starting one place
+later, so a slow spell of a shared machine hits them alike. Reported per model: predicted and
+measured medians, their ratio, Spearman's rank correlation, and the planner's choice against the
+fastest configuration measured. Writes `plan_vs_measured.md`, `.json` and a log-log scatter `.png`.
+
+Run from the repository root:  .venv/bin/python -m benchmarks.plan_vs_measured
+"""
+
+from __future__ import annotations
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import dataclasses
+import datetime
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import jax
+
+import amsp_jax as aj
+from amsp_jax import audit, cost, partitioner, timing
+from amsp_jax.cluster_config import load
+from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
+from benchmarks.step_time import make_batch, optimizer
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS = ("ddp", "zero1", "zero2", "zero3", "mics")
+MODELS = {
+    "small": (LlamaConfig.from_yaml(ROOT / "configs/models/small.yaml"), 64),
+    "25m": (
+        LlamaConfig(vocab_size=8192, dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=1024,
+                    max_seq_len=256, name="25m"),
+        32,
+    ),
+}  # fmt: skip
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Rank correlation (no ties expected among step times)."""
+    rank = lambda v: {i: r for r, i in enumerate(sorted(range(len(v)), key=v.__getitem__))}  # noqa: E731
+    rx, ry = rank(xs), rank(ys)
+    n = len(xs)
+    return 1 - 6 * sum((rx[i] - ry[i]) ** 2 for i in range(n)) / (n * (n * n - 1))
+
+
+def configurations(config: LlamaConfig, seq_len: int, cluster: aj.Cluster, hardware, seed: int, count: int):
+    """(name, Plan) pairs: the presets, `count` random valid strategies, the planner's choice."""
+    request = partitioner.make_request(
+        config, hardware, cluster.nodes, seq_len=seq_len, global_batch=cluster.num_devices,
+        micro_batch_size=1, remat="full",
+    )  # fmt: skip
+    chosen = partitioner.plan(request)
+    implementation = chosen.implementation
+    plans = [
+        (name, aj.Plan(cluster, aj.resolve(name, cluster), 1, precision="mixed", remat="full",
+                       hierarchical=implementation.hierarchical, prefetch=implementation.prefetch))
+        for name in PRESETS
+    ]  # fmt: skip
+    terms = partitioner.build_terms(request)
+    seen = {str(p.strategy) for _, p in plans}
+    others = [s for s in partitioner.valid_strategies(terms) if str(s) not in seen]
+    for strategy in random.Random(seed).sample(others, min(count, len(others))):
+        plans.append((str(strategy), dataclasses.replace(plans[0][1], strategy=strategy)))
+    plans.append(("chosen", chosen.to_plan(cluster, "mixed")))
+    other = dataclasses.replace(plans[3][1], hierarchical=not implementation.hierarchical)
+    plans.append(("zero3 flat" if implementation.hierarchical else "zero3 split", other))
+    return plans
+
+
+def run_model(name: str, args: argparse.Namespace, say) -> dict:
+    """Compile, predict and time every configuration of one model."""
+    config, seq_len = MODELS[name]
+    cluster = aj.Cluster(2, 4, "cpu-sim")
+    hardware = load(args.cluster_config)
+    model = Llama(config)
+    host_batch = make_batch(config, cluster.num_devices, seq_len)
+    key = jax.random.key(0)
+    rows = []
+    for label, plan in configurations(config, seq_len, cluster, hardware, args.seed, args.random):
+        trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model))
+        trainer.setup(key, host_batch["inputs"])
+        batch = trainer.shard_batch(host_batch)
+        workload = audit.workload_of(trainer, host_batch, cost.llama_dims(config))
+        estimate = timing.estimate(trainer.layout, workload, hardware)
+        compiled = trainer.compile(trainer.abstract_state(), jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch))  # fmt: skip
+        rows.append({"name": label, "plan": plan.describe(), "trainer": trainer, "compiled": compiled,
+                     "batch": batch, "predicted_s": estimate.time.step_s, "times": []})  # fmt: skip
+    say(f"{name}: compiled {len(rows)} configurations")
+    for round_ in range(args.rounds):
+        shift = round_ % len(rows)
+        for row in rows[shift:] + rows[:shift]:
+            state = row["trainer"].init(key, host_batch["inputs"])
+            state, metrics = row["compiled"](state, row["batch"])
+            jax.block_until_ready(metrics)
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                state, metrics = row["compiled"](state, row["batch"])
+                jax.block_until_ready((state, metrics))
+                row["times"].append(time.perf_counter() - start)
+            del state
+        say(f"  round {round_ + 1}/{args.rounds} done")
+    for row in rows:
+        row["measured_s"] = statistics.median(row["times"])
+        row["ratio"] = row["predicted_s"] / row["measured_s"]
+    predicted = [r["predicted_s"] for r in rows]
+    measured = [r["measured_s"] for r in rows]
+    fastest = min(measured)
+    chosen = next(r for r in rows if r["name"] == "chosen")
+    return {
+        "model": name,
+        "parameters": config.num_params(),
+        "seq_len": seq_len,
+        "spearman": spearman(predicted, measured),
+        "within": sum(0.75 <= r["ratio"] <= 1.33 for r in rows) / len(rows),
+        "chosen_vs_fastest": chosen["measured_s"] / fastest,
+        "rows": [{k: v for k, v in r.items() if k not in ("trainer", "compiled", "batch")} for r in rows],
+    }
+
+
+def write(results: list[dict], out: Path, command: str, seconds: float) -> None:
+    """Markdown, JSON and the scatter plot."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan_vs_measured.json").write_text(json.dumps(results, indent=2))
+    lines = [
+        "# Predicted vs measured step time (CPU mesh, 2 nodes x 4 simulated devices)",
+        "",
+        f"- Command: `{command}`, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {seconds:.0f} s.",
+        f"- Load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs.",
+        "- Every configuration: micro-batch 1, one micro-batch per step, mixed precision, remat full; the "
+        "implementation (split or flat collectives, prefetch loop) the planner chose, except the last row.",
+        "",
+    ]
+    for model in results:
+        lines += [
+            f"## {model['model']}: {model['parameters'] / 1e6:.1f}M parameters, seq {model['seq_len']}",
+            "",
+            f"Spearman {model['spearman']:.2f}; predicted/measured within [0.75, 1.33] for "
+            f"{model['within']:.0%}; the planner's choice ran {model['chosen_vs_fastest']:.2f}x the fastest.",
+            "",
+            "| configuration | plan | predicted (s) | measured (s) | predicted / measured |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for r in sorted(model["rows"], key=lambda r: r["measured_s"]):
+            lines.append(f"| {r['name']} | {r['plan']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | "
+                         f"{r['ratio']:.2f} |")  # fmt: skip
+        lines.append("")
+    (out / "plan_vs_measured.md").write_text("\n".join(lines))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    for model in results:
+        ax.scatter([r["measured_s"] for r in model["rows"]], [r["predicted_s"] for r in model["rows"]],
+                   label=model["model"])  # fmt: skip
+    values = [v for m in results for r in m["rows"] for v in (r["measured_s"], r["predicted_s"])]
+    bounds = [min(values) / 1.5, max(values) * 1.5]
+    ax.plot(bounds, bounds, "k--", label="y = x")
+    ax.set(xscale="log", yscale="log", xlabel="measured step (s)", ylabel="predicted step (s)")
+    ax.legend()
+    fig.savefig(out / "plan_vs_measured.png", dpi=120, bbox_inches="tight")
+
+
+def main() -> None:
+    """Entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="small,25m")
+    parser.add_argument("--cluster-config", default="cpu-sim")
+    parser.add_argument("--random", type=int, default=6, help="random valid strategies per model")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per configuration and round")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results"))
+    args = parser.parse_args()
+    start = time.perf_counter()
+    results = [run_model(name, args, lambda m: print(m, flush=True)) for name in args.models.split(",")]
+    command = ".venv/bin/python -m benchmarks.plan_vs_measured " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"
+    )
+    write(results, Path(args.out), command, time.perf_counter() - start)
+    for model in results:
+        print(f"{model['model']}: spearman {model['spearman']:.2f}, within {model['within']:.0%}, "
+              f"chosen {model['chosen_vs_fastest']:.2f}x fastest")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
