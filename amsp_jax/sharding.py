@@ -1,6 +1,6 @@
 """One mesh for P, G and OS, and the per-leaf `PartitionSpec`s that put each on its placement.
 
-The mesh's axes are the factors of the nested groups (DESIGN §3): inter-node axes before intra-node
+The mesh's axes are the factors of the nested groups: inter-node axes before intra-node
 axes, the replica factor outermost. Each component shards a leaf over a prefix of one axis order
 (smaller groups first), so a device's OS block lies inside its G and P blocks and moving between
 components is a slice, a reduce-scatter or an all-gather over the extra axes only.
@@ -87,7 +87,7 @@ def ordered_devices(devices: Sequence[jax.Device] | None = None) -> list[jax.Dev
 
 
 def plan_axes(cluster: Cluster, strategy: Strategy) -> AxisPlan:
-    """The nested mesh axes of `strategy` on `cluster` (DESIGN §3), without touching devices."""
+    """The nested mesh axes of `strategy` on `cluster`, without touching devices."""
     strategy.validate(cluster, allow_partial_nodes=True)
     placements = strategy.placements()
     intra_axes, intra_cover = _chain(

@@ -1,6 +1,6 @@
 """The sharded train step: P gathered per layer, G on its own placement, OS updated by optax under jit.
 
-Data flow of one step (DESIGN §4), all in one `jit`:
+Data flow of one step, all in one `jit`:
   1. `shard_map`: for each of M micro-batches, the forward gathers each layer's P shard, the backward
      re-gathers it and reduce-scatters the layer's gradient into the G shard (fp32 accumulation);
      then once per step the 2-hop reduction lands the summed gradient in OS's placement.

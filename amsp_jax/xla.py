@@ -2,10 +2,10 @@
 
 On GPU the latency-hiding scheduler moves each layer's all-gather ahead of the layer's compute and
 each reduce-scatter behind it; the collective pipeliner prefetches loop iteration i+1's gather into
-iteration i (that is the per-layer prefetch of DESIGN §4: it is done by XLA, not by carrying gathered
+iteration i (that is the per-layer prefetch the step needs: it is done by XLA, not by carrying gathered
 weights through the scan, which would make them scan residuals and keep every layer gathered).
 Combine thresholds sized to one layer keep XLA from merging several layers' collectives into one
-that can no longer overlap. The names follow MaxText's H100 settings (see REFERENCES.md). On CPU
+that can no longer overlap. The names follow MaxText's H100 settings. On CPU
 nothing is set: there is no asynchronous collective stream to schedule.
 """
 

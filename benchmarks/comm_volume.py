@@ -30,7 +30,7 @@ from amsp_jax.step import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_STRATEGIES = ["p=1x1,g=1x1,os=4x1", "p=2x1,g=2x1,os=4x1", "p=4x1,g=4x1,os=4x2"]
-# AMSP's published choices at 1024 GPUs (DESIGN §2), as (intra, inter) = (s0, s1).
+# AMSP's published choices at 1024 GPUs, as (intra, inter) = (s0, s1).
 AMSP_CHOICES = {
     "AMSP 7B choice": "p=1x1,g=1x1,os=8x1",
     "AMSP 13B choice": "p=4x1,g=4x1,os=8x1",

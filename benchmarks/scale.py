@@ -29,7 +29,7 @@ MODELS = ("llama-7b", "llama-13b", "llama-30b")
 NODES = (1, 2, 4, 8, 16, 32, 64, 128, 1024)
 SEQ_LEN = 4096
 GLOBAL_BATCH_TOKENS = 4 * 2**20
-AMSP_CHOICES = {  # (s0, s1) per component, as published (DESIGN.md §2)
+AMSP_CHOICES = {  # (s0, s1) per component, as published
     "llama-7b": "p=1x1,g=1x1,os=8x1",
     "llama-13b": "p=4x1,g=4x1,os=8x1",
     "llama-30b": "p=8x1,g=8x1,os=8x4",
