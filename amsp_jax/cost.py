@@ -202,9 +202,9 @@ def bytes_by_level(transfers: Iterable[Transfer]) -> dict[str, int]:
 
 def link_bytes(axes: AxisPlan, workload: Workload) -> dict[str, int]:
     """Bytes per device and step by the link they travel: node-local links or the node's NICs."""
-    nic = sum(t.nic_bytes for leaf in workload.leaves for t in leaf_transfers(axes, workload, leaf))
-    total = sum(t.bytes for leaf in workload.leaves for t in leaf_transfers(axes, workload, leaf))
-    return {"node": total - nic, "nic": nic}
+    transfers = [t for leaf in workload.leaves for t in leaf_transfers(axes, workload, leaf)]
+    nic = sum(t.nic_bytes for t in transfers)
+    return {"node": sum(t.bytes for t in transfers) - nic, "nic": nic}
 
 
 def _block_elements(axes: AxisPlan, leaf: LeafLayout, component: str) -> int:

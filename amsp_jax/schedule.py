@@ -73,8 +73,9 @@ class Op:
     """One collective as the step issues it, on one device.
 
     `elements` counts this device's input (for an all-gather: its block; for a reduce-scatter or an
-    all-reduce: the full buffer). `dim` is the tensor dimension split or joined (of one layer for a
-    layer stack); None means the op runs on the flattened buffer (the hierarchical all-reduce).
+    all-reduce: the full buffer). `dim` is the tensor dimension split or joined: of one layer's tensor
+    in the per-layer phases of a layer stack, of the whole leaf in the once-per-step reduction and
+    refresh; None means the op runs on the flattened buffer (the hierarchical all-reduce).
     """
 
     phase: str
@@ -95,14 +96,6 @@ class Op:
             return (self.group - 1) * size
         factor = 2 if self.kind == ALL_REDUCE else 1
         return -(-factor * (self.group - 1) * size // self.group)
-
-    def output_elements(self) -> int:
-        """Elements of this device's result."""
-        if self.kind == ALL_GATHER:
-            return self.elements * self.group
-        if self.kind == REDUCE_SCATTER:
-            return self.elements // self.group
-        return self.elements
 
 
 def runs(axes: AxisPlan, group_axes: Sequence[str]) -> list[tuple[str, ...]]:
@@ -196,11 +189,6 @@ class LeafSchedule:
     def layers(self) -> int:
         """Layers of a stacked leaf (1 otherwise)."""
         return self.split.shape[0] if self.stacked else 1
-
-    @property
-    def layer_dim(self) -> int | None:
-        """The split dimension of one layer's tensor (the leaf's, less the stacked axis)."""
-        return None if self.split.dim is None else self.split.dim - int(self.stacked)
 
     def ops(self) -> tuple[Op, ...]:
         """Every op of this leaf, in step order."""
