@@ -1,4 +1,4 @@
-"""Cluster hardware from `configs/clusters/*.yaml`: memory, compute and collective bandwidth tables.
+"""Cluster hardware from a cluster YAML: memory, compute and collective bandwidth tables.
 
 A cluster config says what one device can hold and compute, and how fast each collective kind runs
 inside a node and across nodes. Bandwidths are nccl-tests *bus* bandwidths, indexed by the bytes one
@@ -9,7 +9,8 @@ S·(n−1)/n, so S/algbw = bytes/busbw; for all-reduce both carry 2(n−1)/n). B
 bandwidth is interpolated linearly in log-size; below the smallest size a collective costs what the
 smallest one costs (latency-bound), above the largest the bandwidth stays flat.
 
-Schema (every number carries its source in a comment in the YAML file):
+`load` takes a path or the name of a shipped config (`a800-8x-ib800`, `h100-dgx`, `cpu-sim`; see
+`amsp_jax.config_files`). Schema (every number carries its source in a comment in the YAML file):
 
     name: a800-8x-ib800
     nodes: 128                    # default node count; callers may override
@@ -36,6 +37,7 @@ from typing import Any
 
 import yaml
 
+from amsp_jax import config_files
 from amsp_jax.errors import one_line
 from amsp_jax.space import Cluster
 
@@ -53,7 +55,6 @@ _UNITS = {
     "MB": 1e6,
     "GB": 1e9,
 }
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "clusters"
 
 
 class ClusterConfigError(ValueError):
@@ -280,13 +281,8 @@ def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> Clust
 
 
 def load(path: str | Path) -> ClusterConfig:
-    """Read a cluster YAML; a bare name (`a800-8x-ib800`) is looked up in `configs/clusters/`."""
-    path = Path(path)
-    if not path.exists() and path.suffix == "" and (CONFIG_DIR / f"{path}.yaml").exists():
-        path = CONFIG_DIR / f"{path}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-        raise ClusterConfigError(f"cluster config {path} does not exist; known in {CONFIG_DIR}: {known}")
+    """Read a cluster YAML: a file, or a shipped config by name (`a800-8x-ib800`; see `config_files`)."""
+    path = config_files.find("clusters", path, ClusterConfigError)
     try:
         values = yaml.safe_load(path.read_text()) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as error:
@@ -297,7 +293,6 @@ def load(path: str | Path) -> ClusterConfig:
 
 
 def for_cluster(cluster: Cluster) -> ClusterConfig:
-    """Hardware for a bare `Cluster`: `configs/clusters/<name>.yaml` if it exists, else `cpu-sim.yaml`."""
-    named = CONFIG_DIR / f"{cluster.name}.yaml"
-    config = load(named if named.is_file() else CONFIG_DIR / "cpu-sim.yaml")
+    """Hardware for a bare `Cluster`: the shipped cluster config of its name if any, else `cpu-sim`."""
+    config = load(cluster.name if cluster.name in config_files.shipped("clusters") else "cpu-sim")
     return config.with_shape(cluster.nodes, cluster.devices_per_node)

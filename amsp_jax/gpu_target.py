@@ -2,9 +2,10 @@
 
 XLA's CUDA compiler plugin compiles for a described GPU it does not have: a topology of
 `slices x hosts x devices_per_host` devices built from a `GpuTargetConfigProto` (XLA's own device
-specs, shipped in `configs/targets/`). The devices it returns carry one process index per host, so a
-`Trainer` given them lays the plan out over real nodes, and `Trainer.compile` runs XLA's full GPU
-pipeline (latency-hiding scheduler, loop pipelining) with the library's GPU options.
+specs, shipped as package data in `amsp_jax/configs/targets/`; a `.txtpb` file of your own works
+too). The devices it returns carry one process index per host, so a `Trainer` given them lays the
+plan out over real nodes, and `Trainer.compile` runs XLA's full GPU pipeline (latency-hiding
+scheduler, loop pipelining) with the library's GPU options.
 
 Needs the `gpu-aot` extra (`jax-cuda12-plugin`, `jax-cuda12-pjrt` at jaxlib's version, and
 `nvidia-cuda-nvcc-cu12` for ptxas) and JAX started with `JAX_PLATFORMS=cpu`: otherwise the plugin
@@ -15,11 +16,11 @@ from __future__ import annotations
 
 import os
 from importlib import metadata
-from pathlib import Path
 
 import jax
 
-TARGET_DIR = Path(__file__).resolve().parent.parent / "configs" / "targets"
+from amsp_jax import config_files
+
 EXTRA_HINT = "install the gpu-aot extra: pip install -e '.[gpu-aot]' (or make test, which installs it)"
 
 
@@ -28,21 +29,13 @@ class TargetError(ValueError):
 
 
 def known_targets() -> list[str]:
-    """Names accepted by `target_config`: the files of `configs/targets/`, `_` spelled `-`."""
-    return sorted(p.stem.replace("_", "-") for p in TARGET_DIR.glob("*.txtpb"))
+    """Names accepted by `target_config`: the shipped targets, `_` spelled `-`."""
+    return config_files.shipped("targets")
 
 
 def target_config(name: str) -> str:
-    """The `GpuTargetConfigProto` text of a known target (`h100-sxm`) or of a `.txtpb` file path."""
-    path = Path(name)
-    if path.suffix != ".txtpb":
-        path = TARGET_DIR / f"{name.replace('-', '_')}.txtpb"
-    if not path.is_file():
-        raise TargetError(
-            f"unknown GPU target {name!r}; known targets: {', '.join(known_targets())} "
-            f"(or the path of a GpuTargetConfigProto .txtpb file)"
-        )
-    return path.read_text()
+    """The `GpuTargetConfigProto` text of a `.txtpb` file or of a shipped target (`h100-sxm`)."""
+    return config_files.find("targets", name, TargetError).read_text()
 
 
 def check_packages() -> None:

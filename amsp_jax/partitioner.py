@@ -40,11 +40,11 @@ from pathlib import Path
 
 import pulp
 
-from amsp_jax import timing
+from amsp_jax import config_files, timing
 from amsp_jax.cluster_config import ClusterConfig, for_cluster
 from amsp_jax.cluster_config import load as load_cluster
 from amsp_jax.cost import Transfer, Workload, leaf_transfers, llama_workload, memory
-from amsp_jax.models.llama import LlamaConfig
+from amsp_jax.models.llama import LlamaConfig, ModelConfigError
 from amsp_jax.plan import REMAT_POLICIES, Plan, Precision
 from amsp_jax.schedule import Implementation, accumulates, uses_prefetch
 from amsp_jax.sharding import plan_axes, shard_dim
@@ -779,9 +779,9 @@ def make_request(
     micro_batch_size: int | None = None,
     remat: str | None = None,
 ) -> Request:
-    """A `Request` from model/cluster configs or paths; the batch in tokens or in sequences."""
+    """A `Request` from model/cluster configs, files or shipped names; the batch in tokens or sequences."""
     if not isinstance(model, LlamaConfig):
-        model = LlamaConfig.from_yaml(model)
+        model = LlamaConfig.from_yaml(config_files.find("models", model, ModelConfigError))
     if isinstance(cluster, Cluster):
         hardware = for_cluster(cluster)
     elif isinstance(cluster, ClusterConfig):
@@ -862,9 +862,9 @@ def choose(
 ) -> Evaluated:
     """The fastest plan that fits: `.strategy`, `.micro_batch_size`, `.micro_batches`, `.remat`, `.estimate`.
 
-    `model` is a `LlamaConfig` or a model YAML; `cluster` a `ClusterConfig`, a cluster YAML (or its
-    name under `configs/clusters/`), or a bare `space.Cluster` (hardware then from
-    `configs/clusters/<cluster.name>.yaml`, else `cpu-sim.yaml`); `nodes` overrides the config's node
+    `model` is a `LlamaConfig`, a model YAML or a shipped model's name (`llama-7b`); `cluster` a
+    `ClusterConfig`, a cluster YAML or shipped name (`a800-8x-ib800`), or a bare `space.Cluster`
+    (hardware then from the shipped config of its name, else `cpu-sim`); `nodes` overrides the config's node
     count. Give the global batch in tokens or, as `global_batch`, in sequences. `micro_batch_size`
     and `remat` fix those knobs instead of searching them. Raises `PlanError` when nothing fits,
     saying how much memory the smallest plan needs and what would fit.

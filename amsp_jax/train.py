@@ -33,7 +33,7 @@ import yaml
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from amsp_jax import cluster_config
+from amsp_jax import cluster_config, config_files
 from amsp_jax import data as data_lib
 from amsp_jax.checkpoint import Checkpointer, CheckpointError, read_params
 from amsp_jax.cluster_config import ClusterConfig
@@ -58,10 +58,10 @@ class DivergedError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Everything a training run reads; every field is a key of `configs/train/*.yaml`."""
+    """Everything a training run reads; every field is a key of a train config YAML."""
 
-    model: str = "configs/models/tiny.yaml"
-    """A LLaMA model config (`configs/models/*.yaml`)."""
+    model: str = "tiny"
+    """A LLaMA model config: a YAML file or a shipped config's name (`tiny`, `small`, `llama-7b`, ...)."""
     data: tuple[str, ...] = ()
     """Text files, directories, JSON lines or token files; empty: the standard library's sources."""
     data_dtype: str = "uint16"
@@ -77,8 +77,8 @@ class TrainConfig:
     """`auto` (the partitioner, which also sets micro_batches and remat), a preset (`zero3`, `mics`,
     ...) or `p=AxB,g=CxD,os=ExF`."""
     cluster: str | None = None
-    """A cluster YAML or name (`configs/clusters/`), or `NODESxDEVICES`; default: one node per process
-    (2 nodes on simulated CPUs)."""
+    """A cluster YAML or a shipped config's name (`a800-8x-ib800`), or `NODESxDEVICES`; default: one node
+    per process (2 nodes on simulated CPUs)."""
     cpu_devices: int = 8
     """Simulated devices when there is no accelerator (set before JAX starts)."""
     micro_batches: int = 1
@@ -154,14 +154,15 @@ def check_config(values: dict[str, Any], where: str = "") -> None:
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig:
-    """A TrainConfig from a YAML file (optional) with `overrides` (None values ignored) on top."""
+    """A TrainConfig from a YAML file or shipped config name (`demo`), optional, with `overrides` on top.
+
+    Overrides that are None are ignored.
+    """
     values: dict[str, Any] = {}
     where = "train config"
     if path is not None:
-        path = Path(path)
+        path = config_files.find("train", path, ConfigError)
         where = str(path)
-        if not path.is_file():
-            raise ConfigError(f"train config {path} does not exist; e.g. configs/train/demo.yaml")
         try:
             values = yaml.safe_load(path.read_text()) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as error:
@@ -207,7 +208,7 @@ def _hardware(name_or_path: str | Path) -> ClusterConfig:
 def choose_cluster(spec: str | None, devices: Sequence[jax.Device]) -> tuple[Cluster, ClusterConfig | None]:
     """The cluster of `devices`, and its hardware config (bandwidths, peak FLOP/s) where one is known.
 
-    `spec`: a cluster YAML or name under `configs/clusters/` (its devices per node, as many nodes as
+    `spec`: a cluster YAML or a shipped config's name (its devices per node, as many nodes as
     the devices fill), `NODESxDEVICES`, or None: one node per process, except that simulated CPU
     devices of one process stand for two nodes (so inter-node placements can be tried) with the
     `cpu-sim` hardware config.
@@ -235,9 +236,8 @@ def choose_cluster(spec: str | None, devices: Sequence[jax.Device]) -> tuple[Clu
         cluster = Cluster(2, len(devices) // 2, "cpu-sim")
     else:
         cluster = Cluster.detect(devices)
-    cpu_sim = cluster_config.CONFIG_DIR / "cpu-sim.yaml"
-    if simulated and cpu_sim.is_file():
-        return cluster, _hardware(cpu_sim).with_shape(cluster.nodes, cluster.devices_per_node)
+    if simulated:
+        return cluster, _hardware("cpu-sim").with_shape(cluster.nodes, cluster.devices_per_node)
     return cluster, None
 
 
@@ -262,7 +262,7 @@ def auto_plan(
             zero3(cluster),
             config.micro_batches,
             config.remat,
-            "auto: no hardware config for this cluster (give --cluster configs/clusters/NAME.yaml), so zero3",
+            "auto: no hardware config for this cluster (give --cluster, a cluster YAML or name), so zero3",
         )
     from amsp_jax import partitioner
 
@@ -459,9 +459,7 @@ def _run_dir(template: str) -> Path:
 def _read_inputs(config: TrainConfig) -> tuple[data_lib.Corpus, LlamaConfig]:
     """The corpus and model config, checked against each other before anything is written."""
     corpus = data_lib.load_corpus(config.data, config.held_out_every, config.data_dtype)
-    if not Path(config.model).is_file():
-        raise ConfigError(f"model config {config.model} does not exist; see configs/models/")
-    model = LlamaConfig.from_yaml(config.model)
+    model = LlamaConfig.from_yaml(config_files.find("models", config.model, ConfigError))
     if corpus.vocab_size is not None and corpus.vocab_size > model.vocab_size:
         raise ConfigError(
             f"the data has {corpus.vocab_size} token ids but {config.model} a vocabulary of "

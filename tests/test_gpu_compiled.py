@@ -59,7 +59,7 @@ def report(target: str, strategy: str, micro_batches: int) -> audit.Report:
 
 def test_unknown_target_lists_the_known_ones():
     with pytest.raises(
-        gpu_target.TargetError, match=r"unknown GPU target 'h200'; known targets: a100-sxm-80, h100"
+        gpu_target.TargetError, match=r"unknown GPU target 'h200'; known GPU targets: a100-sxm-80, h100"
     ):
         gpu_target.target_config("h200")
 
@@ -85,7 +85,7 @@ def test_audit_command_rejects_an_unknown_target(capsys):
     code = cli_main(["audit", "--target", "h200", "--model", "configs/models/tiny.yaml",
                      "--nodes", "2", "--devices-per-node", "4"])  # fmt: skip
     assert code == 2
-    assert "known targets: a100-sxm-80, h100-sxm" in capsys.readouterr().err
+    assert "known GPU targets: a100-sxm-80, h100-sxm" in capsys.readouterr().err
 
 
 @needs_compiler

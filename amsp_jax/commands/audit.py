@@ -11,6 +11,8 @@ import argparse
 import os
 import sys
 
+from amsp_jax.config_files import find, shipped
+
 
 class _GpuTarget(argparse.Action):
     """`--target`: this process only compiles, so JAX must not try to load CUDA (see `gpu_target`)."""
@@ -27,7 +29,8 @@ class _GpuTarget(argparse.Action):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `amsp-jax audit`."""
-    parser.add_argument("--model", required=True, help="model config, e.g. configs/models/tiny.yaml")
+    models = ", ".join(shipped("models"))
+    parser.add_argument("--model", required=True, help=f"model YAML, or a shipped model: {models}")
     parser.add_argument(
         "--target",
         action=_GpuTarget,
@@ -53,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     import optax
 
     from amsp_jax import audit, cost, gpu_target
-    from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
+    from amsp_jax.models.llama import Llama, LlamaConfig, ModelConfigError, make_loss_fn
     from amsp_jax.plan import Plan
     from amsp_jax.space import PRESETS, Cluster, Strategy, preset
     from amsp_jax.step import Trainer
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         except gpu_target.TargetError as e:
             print(f"amsp-jax audit: {e}", file=sys.stderr)
             return 2
-    config = LlamaConfig.from_yaml(args.model)
+    config = LlamaConfig.from_yaml(find("models", args.model, ModelConfigError))
     cluster = Cluster(args.nodes, args.devices_per_node, name=args.target or "audit")
     plan = Plan(
         cluster,

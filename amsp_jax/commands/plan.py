@@ -6,6 +6,7 @@ import argparse
 import json
 import time
 
+from amsp_jax.config_files import shipped
 from amsp_jax.partitioner import (
     GIB,
     Evaluated,
@@ -22,10 +23,9 @@ from amsp_jax.space import resolve
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `plan` subcommand's flags."""
-    parser.add_argument("--model", required=True, help="model YAML, e.g. configs/models/llama-7b.yaml")
-    parser.add_argument(
-        "--cluster", required=True, help="cluster YAML, e.g. configs/clusters/a800-8x-ib800.yaml"
-    )
+    models, clusters = ", ".join(shipped("models")), ", ".join(shipped("clusters"))
+    parser.add_argument("--model", required=True, help=f"model YAML, or a shipped model: {models}")
+    parser.add_argument("--cluster", required=True, help=f"cluster YAML, or a shipped cluster: {clusters}")
     parser.add_argument("--nodes", type=int, help="number of nodes (default: the cluster config's)")
     parser.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     parser.add_argument("--global-batch-tokens", type=int, required=True, help="tokens per optimizer step")

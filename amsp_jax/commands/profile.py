@@ -23,7 +23,9 @@ DEFAULT_SIZES = "64KiB,1MiB,16MiB"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `profile` subcommand's flags."""
-    parser.add_argument("--out", default="configs/clusters/measured.yaml", help="cluster YAML to write")
+    parser.add_argument(
+        "--out", default="measured.yaml", help="cluster YAML to write (for --cluster of plan and train)"
+    )
     parser.add_argument(
         "--sizes", default=DEFAULT_SIZES, help=f"message sizes per device (default {DEFAULT_SIZES})"
     )

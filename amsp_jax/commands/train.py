@@ -5,8 +5,8 @@ for simulated CPU devices (`cpu_devices`, 8 by default, unless `XLA_FLAGS` alrea
 with `--coordinator` (or under a SLURM / Open MPI launch with several tasks) the process joins the
 others through `jax.distributed`. Then `amsp_jax.train.train` runs the config.
 
-    amsp-jax train --config configs/train/demo.yaml
-    amsp-jax train --config configs/train/demo.yaml --run-dir runs/demo-... --resume
+    amsp-jax train --config demo          # the shipped demo config; or the path of a train config YAML
+    amsp-jax train --config demo --run-dir runs/demo-... --resume
 """
 
 from __future__ import annotations
@@ -22,9 +22,12 @@ from amsp_jax.errors import is_input_error, one_line
 
 # Settings that the command line may override, with their help; each is a TrainConfig field.
 OVERRIDES: dict[str, tuple[type, str]] = {
-    "model": (str, "model config YAML (configs/models/*.yaml)"),
+    "model": (str, "model config YAML, or a shipped model's name (tiny, small, llama-7b, ...)"),
     "strategy": (str, "auto, a preset (ddp, zero1, zero2, zero3, mics, hsdp) or p=AxB,g=CxD,os=ExF"),
-    "cluster": (str, "NODESxDEVICES (e.g. 2x4) or a cluster YAML; default: one node per process"),
+    "cluster": (
+        str,
+        "NODESxDEVICES (e.g. 2x4), a cluster YAML or a shipped cluster's name; default: one node per process",
+    ),
     "steps": (int, "train until this many optimizer steps are done"),
     "global_batch": (int, "sequences per step over all devices"),
     "seq_len": (int, "tokens per sequence"),
@@ -49,7 +52,7 @@ OVERRIDES: dict[str, tuple[type, str]] = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `train` command's flags: a config file, overrides of its settings, and multi-process flags."""
-    parser.add_argument("--config", type=Path, help="train config YAML, e.g. configs/train/demo.yaml")
+    parser.add_argument("--config", type=Path, help="train config YAML, or a shipped config's name (demo)")
     parser.add_argument(
         "--data", nargs="+", help="text files or directories, JSON lines (.jsonl) or token files (.npy/.bin)"
     )
