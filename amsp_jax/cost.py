@@ -45,7 +45,13 @@ class LeafShape:
 
 @dataclasses.dataclass(frozen=True)
 class ModelDims:
-    """The transformer dimensions that set FLOPs and activation memory."""
+    """The transformer dimensions that set FLOPs and activation memory, and the attention's kind.
+
+    `attention` is `LlamaConfig.attention`: `xla` materialises the (seq, seq) scores; `auto`,
+    `cudnn` and `blockwise` are flash-style (`amsp_jax.models.attention`). The cost model counts
+    `auto` as cuDNN's (what it runs on a GPU in bf16; elsewhere it runs blockwise, whose one block of
+    scores is then not counted).
+    """
 
     n_layers: int
     dim: int
@@ -54,6 +60,13 @@ class ModelDims:
     head_dim: int
     ffn_dim: int
     vocab_size: int
+    attention: str = "auto"
+    attention_block: int = 512
+
+    @property
+    def materialises_scores(self) -> bool:
+        """Whether the attention holds (seq, seq) scores in memory."""
+        return self.attention == "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +99,24 @@ class Workload:
         return self.seq_len * self.micro_batch_size * self.micro_batches
 
     def flops_per_token(self) -> int:
-        """Model FLOPs per token, forward and backward: 6Φ + 12·L·H·Q·T (Megatron/PaLM convention)."""
+        """Model FLOPs per token, forward and backward: 6Φ + 12·L·H·Q·T (Megatron/PaLM convention).
+
+        The same for every attention implementation: no causal halving, no recomputation (those are
+        in `attention_recompute_flops_per_token` and the time model's remat terms).
+        """
         d = self.dims
         return 6 * self.num_params + 12 * d.n_layers * d.n_heads * d.head_dim * self.seq_len
+
+    def attention_recompute_flops_per_token(self) -> int:
+        """FLOPs per token a flash-style attention's backward adds: it recomputes the scores Q·Kᵀ.
+
+        Its backward runs five (seq, seq)-sized matmuls (Q·Kᵀ again, dV, dP, dQ, dK) where the
+        materialising one runs four, so 2·L·H·Q·T more per token; like `flops_per_token`, counted over
+        the whole square (the causal block skipping of cuDNN and the blockwise attention, which
+        roughly halves every attention matmul at long sequence, is not credited).
+        """
+        d = self.dims
+        return 0 if d.materialises_scores else 2 * d.n_layers * d.n_heads * d.head_dim * self.seq_len
 
     def with_(self, **changes: object) -> Workload:
         """A copy with some fields changed."""
@@ -120,7 +148,10 @@ def llama_workload(
 def llama_dims(config: object) -> ModelDims:
     """The `ModelDims` of a `LlamaConfig`."""
     c = config
-    return ModelDims(c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.vocab_size)
+    return ModelDims(
+        c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.vocab_size,
+        c.attention, c.attention_block,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,7 +275,20 @@ def activation_bytes(workload: Workload) -> tuple[int, int]:
     act = workload.precision.param_bytes
     tokens = b * t
     kv = 2 * d.n_kv_heads * d.head_dim
-    attention = b * d.n_heads * t * t * (FP32 + act)
+    if d.materialises_scores:
+        # The scores of every (query, key) pair: at the backward's peak about four fp32 score-sized
+        # buffers (scores, probabilities, their gradients) and one in the activation dtype; measured
+        # 17.5-19 bytes per score on the CPU and H100-compiled steps at seq 1024-2048, either precision.
+        attention = b * d.n_heads * t * t * (4 * FP32 + act)
+    else:
+        # Flash-style: fp32 softmax statistics per row and head (kept for the backward) and the
+        # backward's fp32 dQ accumulator (the forward's fp32 output accumulator is no larger); the
+        # scores stay in on-chip memory (cuDNN) or one block at a time (blockwise: a block's scores,
+        # probabilities and their gradients).
+        attention = b * d.n_heads * t * FP32 + tokens * d.n_heads * d.head_dim * FP32
+        if d.attention == "blockwise":
+            block = min(d.attention_block, t)
+            attention += b * d.n_heads * block * block * 2 * (FP32 + act)
     full_layer = act * tokens * (6 * d.dim + kv + 3 * d.ffn_dim) + attention
     kept = {
         "full": act * tokens * d.dim,

@@ -153,13 +153,12 @@ class Compute:
 
 
 def recompute_flops_per_token(workload: Workload) -> int:
-    """FLOPs per token that remat runs a second time in the backward pass."""
+    """FLOPs per token that remat, or a flash-style attention's backward, runs a second time."""
     d = workload.dims
     attention_forward = 4 * d.n_layers * d.n_heads * d.head_dim * workload.seq_len
     layer_params = sum(leaf.size for leaf in workload.leaves if leaf.stacked)
-    return {"none": 0, "dots": attention_forward, "full": 2 * layer_params + attention_forward}[
-        workload.remat
-    ]
+    remat = {"none": 0, "dots": attention_forward, "full": 2 * layer_params + attention_forward}
+    return remat[workload.remat] + workload.attention_recompute_flops_per_token()
 
 
 def compute_times(workload: Workload, cluster: ClusterConfig) -> Compute:

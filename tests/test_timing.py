@@ -56,15 +56,18 @@ def test_traffic_regroups_exactly_the_cost_models_bytes():
     assert {t.phase for ts in groups.values() for t in ts} <= set(timing.GROUPS)
 
 
-def test_compute_counts_model_flops_plus_what_remat_repeats():
+@pytest.mark.parametrize("attention", ["xla", "auto"])
+def test_compute_counts_model_flops_plus_what_remat_repeats(attention):
     config = load("configs/clusters/a800-8x-ib800.yaml")
     for remat, extra in [("none", 0), ("dots", 1), ("full", 2)]:
-        w = llama_workload(MODEL, 64, 1, 2, remat=remat)
+        w = llama_workload(dataclasses.replace(MODEL, attention=attention), 64, 1, 2, remat=remat)
         flops = timing.compute_times(w, config).total * config.sustained_flops
         d = w.dims
         attention_forward = 4 * d.n_layers * d.n_heads * d.head_dim * w.seq_len
         layers = sum(leaf.size for leaf in w.leaves if leaf.stacked)
         recompute = [0, attention_forward, 2 * layers + attention_forward][extra]
+        # Flash-style attention's backward recomputes the scores Q·Kᵀ: half the attention's forward.
+        recompute += 0 if attention == "xla" else attention_forward // 2
         assert flops == pytest.approx((w.flops_per_token() + recompute) * w.tokens_per_device())
 
 
@@ -83,11 +86,18 @@ def test_windows_hide_communication_behind_compute_but_charge_interference():
 
 def test_step_time_and_mfu_of_a_single_device():
     config = dataclasses.replace(load("configs/clusters/a800-8x-ib800.yaml"), hbm_bandwidth=math.inf)
-    w = llama_workload(MODEL, 64, 1, 4, remat="none")
-    estimate = timing.estimate(plan_axes(Cluster(1, 1), Strategy.parse("p=1x1,g=1x1,os=1x1")), w, config)
+    axes = plan_axes(Cluster(1, 1), Strategy.parse("p=1x1,g=1x1,os=1x1"))
+    # No remat and the materialising attention: every FLOP is a model FLOP, so MFU is the efficiency.
+    w = llama_workload(dataclasses.replace(MODEL, attention="xla"), 64, 1, 4, remat="none")
+    estimate = timing.estimate(axes, w, config)
     assert sum(estimate.time.communication_s.values()) == 0
     assert estimate.time.mfu == pytest.approx(config.compute_efficiency)
     assert estimate.time.tokens_per_s(1) == pytest.approx(w.tokens_per_device() / estimate.time.step_s)
+    # Flash-style attention recomputes Q·Kᵀ in the backward: FLOPs that MFU does not count.
+    flash = llama_workload(MODEL, 64, 1, 4, remat="none")
+    model_flops, recompute = flash.flops_per_token(), flash.attention_recompute_flops_per_token()
+    expected = config.compute_efficiency * model_flops / (model_flops + recompute)
+    assert timing.estimate(axes, flash, config).time.mfu == pytest.approx(expected)
 
 
 def test_per_micro_batch_communication_scales_with_micro_batches():

@@ -1,4 +1,10 @@
-"""LLaMA in Flax linen: RMSNorm, RoPE, SwiGLU, grouped-query causal attention, layers in a `LayerStack`."""
+"""LLaMA in Flax linen: RMSNorm, RoPE, SwiGLU, grouped-query causal attention, layers in a `LayerStack`.
+
+Attention (`LlamaConfig.attention`, `amsp_jax.models.attention`): by default cuDNN's fused flash
+attention where the step is compiled for CUDA in bf16/fp16, and a blockwise online-softmax attention
+(plain JAX, custom VJP) everywhere else; neither holds the (seq, seq) scores. `attention: xla` is the
+materialising dot / softmax / dot.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import yaml
 
 from amsp_jax.errors import AmspError, check_field_types, one_line
 from amsp_jax.layers import LayerStack
+from amsp_jax.models import attention as attention_lib
 
 
 class ModelConfigError(AmspError):
@@ -34,11 +41,21 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    attention: str = "auto"
+    """`auto` (cuDNN flash attention on CUDA where it applies, else `blockwise`), `blockwise`, `cudnn`
+    or `xla` (materialises the scores); see `amsp_jax.models.attention`."""
+    attention_block: int = 512
+    """Query and key block size of the blockwise attention."""
     name: str = "llama"
 
     def __post_init__(self) -> None:
         check_field_types(LlamaConfig, dataclasses.asdict(self), "", ModelConfigError)
-        for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+        if self.attention not in attention_lib.KINDS:
+            raise ModelConfigError(
+                f"attention must be one of {', '.join(attention_lib.KINDS)}, got {self.attention!r}"
+            )
+        keys = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
+        for key in (*keys, "attention_block"):
             if getattr(self, key) < 1:
                 raise ModelConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
         for key in ("rope_theta", "norm_eps"):
@@ -148,14 +165,7 @@ class Block(nn.Module):
         q = apply_rope(jnp.einsum("btd,dhk->bthk", h, w["wq"]), cos, sin)
         k = apply_rope(jnp.einsum("btd,dhk->bthk", h, w["wk"]), cos, sin)
         v = jnp.einsum("btd,dhk->bthk", h, w["wv"])
-        groups = c.n_heads // c.n_kv_heads
-        q = q.reshape(*q.shape[:2], c.n_kv_heads, groups, c.head_dim)
-        scores = jnp.einsum("btgrk,bsgk->bgrts", q, k).astype(jnp.float32) / jnp.sqrt(c.head_dim)
-        seq = x_BTD.shape[1]
-        causal = jnp.tril(jnp.ones((seq, seq), bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        attn = jnp.einsum("bgrts,bsgk->btgrk", probs, v).reshape(*x_BTD.shape[:2], c.n_heads, c.head_dim)
+        attn = attention_lib.attention(q, k, v, c.attention, c.attention_block)
         x_BTD = x_BTD + jnp.einsum("bthk,hkd->btd", attn, w["wo"])
 
         h = rms_norm(x_BTD, w["ffn_norm"], c.norm_eps)
