@@ -276,10 +276,12 @@ def activation_bytes(workload: Workload) -> tuple[int, int]:
     tokens = b * t
     kv = 2 * d.n_kv_heads * d.head_dim
     if d.materialises_scores:
-        # The scores of every (query, key) pair: at the backward's peak about four fp32 score-sized
-        # buffers (scores, probabilities, their gradients) and one in the activation dtype; measured
-        # 17.5-19 bytes per score on the CPU and H100-compiled steps at seq 1024-2048, either precision.
-        attention = b * d.n_heads * t * t * (4 * FP32 + act)
+        # The scores of every (query, key) pair: at the backward's peak the fp32 scores, the
+        # probabilities and their gradients. Measured (compiled step with this attention minus the
+        # flash one, per score): 9.1-9.5 bytes for LLaMA-7B and 13B on A100s in mixed precision at seq
+        # 2048-4096; 13-18 bytes on 4-head test models (XLA keeps transposed copies there), so this
+        # is a lower bound for small models.
+        attention = b * d.n_heads * t * t * (2 * FP32 + act)
     else:
         # Flash-style: fp32 softmax statistics per row and head (kept for the backward) and the
         # backward's fp32 dQ accumulator (the forward's fp32 output accumulator is no larger); the

@@ -8,6 +8,7 @@ those GPUs, `--nodes` hosts of `--devices-per-node` each, on this machine, no GP
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -44,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "mixed"])
     parser.add_argument("--remat", default="full", choices=["none", "dots", "full"])
+    parser.add_argument(
+        "--attention",
+        choices=["auto", "xla", "blockwise", "cudnn"],
+        help="the model's attention instead of its config's (xla materialises the scores)",
+    )
     parser.add_argument("--allow-partial-nodes", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--dump-hlo", metavar="FILE", help="write the compiled program's HLO text here")
@@ -69,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"amsp-jax audit: {e}", file=sys.stderr)
             return 2
     config = LlamaConfig.from_yaml(find("models", args.model, ModelConfigError))
+    if args.attention:
+        config = dataclasses.replace(config, attention=args.attention)
     cluster = Cluster(args.nodes, args.devices_per_node, name=args.target or "audit")
     plan = Plan(
         cluster,
