@@ -300,7 +300,10 @@ def workload_of(trainer: Any, batch: Any, dims: cost.ModelDims) -> cost.Workload
     """The cost model's workload for a set-up Trainer and a global batch `{"inputs": (B, T), ...}`."""
     layout = trainer.params_layout
     leaves = tuple(
-        cost.LeafShape(path, leaf.shape, layout.stack_of(path) is not None)
+        cost.LeafShape(
+            path, leaf.shape, layout.stack_of(path) is not None, layout.per_layer(path),
+            path not in layout.backward_unused,
+        )
         for path, leaf in layout.leaves.items()
     )
     global_batch, seq_len = jax.tree.leaves(batch)[0].shape[:2]
@@ -328,7 +331,9 @@ def audit_trainer(trainer: Any, batch: Any, dims: cost.ModelDims, dump_hlo: str 
         Path(dump_hlo).write_text(compiled.as_text())
     predicted = cost.predict(trainer.layout, workload_of(trainer, batch, dims))
     # A stack's parameters live under its module's path plus STACK_PARAM; ops are named by the module path.
+    pl = trainer.params_layout
     scopes = tuple(
-        "/".join(stack[:-1] if stack[-1] == STACK_PARAM else stack) for stack in trainer.params_layout.stacks
+        "/".join(map(str, stack[:-1] if stack[-1] == STACK_PARAM else stack))
+        for stack in (*pl.stacks, *pl.blocks)
     )
     return Report(str(trainer.plan.strategy), predicted, measure(compiled, trainer.layout, scopes))

@@ -36,6 +36,8 @@ class LeafShape:
     path: tuple[str, ...]
     shape: tuple[int, ...]
     stacked: bool
+    per_layer: bool | None = None  # gathered one layer at a time; None: when stacked
+    regathered: bool = True  # gathered again in the backward pass (False: the backward never reads it)
 
     @property
     def size(self) -> int:
@@ -189,6 +191,7 @@ def schedule_leaf(axes: AxisPlan, workload: Workload, leaf: LeafShape) -> LeafSc
     return schedule.leaf_schedule(
         axes, leaf.path, leaf.shape, leaf.stacked, workload.micro_batches, workload.remat,
         workload.precision.param_bytes, workload.precision.reduce_bytes, workload.implementation,
+        leaf.per_layer, leaf.regathered,
     )  # fmt: skip
 
 

@@ -1,10 +1,18 @@
-"""Flax glue: `LayerStack`, the one-line way to give a model per-layer parameter gathering.
+"""Per-layer parameter gathering: `LayerStack`, and blocks of models written without it.
 
 A model that builds its repeated blocks with `LayerStack(block, length)` keeps a stacked parameter
 subtree (leading layer dimension) and runs the layers with `lax.scan`. Outside amsp_jax it is a plain
 scan. Inside an amsp_jax step the stack finds a `LayerContext` for its path and, in the scan body,
 gathers only the current layer's parameter shards (and routes their gradient into the G shard),
 under the plan's remat policy. The model itself never sees a mesh or a collective.
+
+Models written the ordinary way (a Python loop over block instances, `nn.scan`, nnx lists and
+`nnx.scan`) get the same per-layer gathering without an edit: the step hands each block's parameters
+in as (P shard, G sink) pairs, and a method interceptor (`nn.intercept_methods`; `amsp_jax.nnx` for
+nnx) replaces every call of a block by `gathered_call`: a `jax.custom_vjp` that gathers the block's
+weights just before the call, runs the block's own code on them, keeps only its inputs and shards
+for the backward pass, and there gathers again, recomputes the block and reduce-scatters the weight
+gradient onto G. `find_blocks` picks the blocks from one traced `init`.
 """
 
 from __future__ import annotations
@@ -17,10 +25,14 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.extend.core as jax_core
+import jax.numpy as jnp
+import numpy as np
 
 from amsp_jax.layer_scan import prefetched_scan
 
 STACK_PARAM = "layer"
+Path = tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +53,36 @@ class LayerContext:
     remat_policy: Callable[..., bool] | None
     remat: bool
     prefetch: frozenset[tuple[str, ...]] = frozenset()  # stacks that run the explicit-prefetch loop
+    blocks: dict[tuple[str, ...], StackOps] = dataclasses.field(default_factory=dict)  # by block path
 
 
 _CONTEXT: contextvars.ContextVar[LayerContext | None] = contextvars.ContextVar("amsp_layers", default=None)
 _RECORDING: contextvars.ContextVar[list[tuple[str, ...]] | None] = contextvars.ContextVar(
     "amsp_layer_paths", default=None
 )
+# Set while amsp_jax itself runs a block's code (a LayerStack layer, a gathered block): calls inside
+# are the block's own and are neither intercepted nor recorded as blocks.
+_OPAQUE: contextvars.ContextVar[bool] = contextvars.ContextVar("amsp_opaque", default=False)
+
+
+@contextlib.contextmanager
+def opaque() -> Iterator[None]:
+    """Run code whose module calls are a block's internals (not blocks of the model)."""
+    token = _OPAQUE.set(True)
+    try:
+        yield
+    finally:
+        _OPAQUE.reset(token)
+
+
+def is_opaque() -> bool:
+    """Whether amsp_jax is running a block's own code (its inner calls are not blocks)."""
+    return _OPAQUE.get()
+
+
+def current_context() -> LayerContext | None:
+    """The `LayerContext` of the step being traced, unless amsp_jax is running a block's code itself."""
+    return None if _OPAQUE.get() else _CONTEXT.get()
 
 
 @contextlib.contextmanager
@@ -87,12 +123,13 @@ class LayerStack(nn.Module):
             # check would reject.
             stacked = self.get_variable("params", STACK_PARAM)
         else:
-            stacked = self.param(
-                STACK_PARAM,
-                lambda rng: jax.vmap(lambda key: block.init(key, x, *args)["params"])(
-                    jax.random.split(rng, self.length)
-                ),
-            )
+
+            def init(rng: jax.Array) -> Any:
+                with opaque():
+                    keys = jax.random.split(rng, self.length)
+                    return jax.vmap(lambda key: block.init(key, x, *args)["params"])(keys)
+
+            stacked = self.param(STACK_PARAM, init)
         path = (*self.path, STACK_PARAM)
         recording = _RECORDING.get()
         if recording is not None and path not in recording:
@@ -103,20 +140,22 @@ class LayerStack(nn.Module):
             def plain(carry: jax.Array, layer_params: Any) -> tuple[jax.Array, None]:
                 return block.apply({"params": layer_params}, carry, *args), None
 
-            return jax.lax.scan(plain, x, stacked)[0]
+            with opaque():
+                return jax.lax.scan(plain, x, stacked)[0]
 
         ops = context.stacks[path]
         sinks = context.sinks[path]
         if path in context.prefetch:
-            return prefetched_scan(
-                lambda h, weights, args: block.apply({"params": weights}, h, *args),
-                ops.gather,
-                ops.reduce,
-                x,
-                stacked,
-                sinks,
-                args,
-            )
+            with opaque():
+                return prefetched_scan(
+                    lambda h, weights, args: block.apply({"params": weights}, h, *args),
+                    ops.gather,
+                    ops.reduce,
+                    x,
+                    stacked,
+                    sinks,
+                    args,
+                )
 
         def layer(carry: jax.Array, layer_params: Any, layer_sink: Any) -> jax.Array:
             return block.apply({"params": ops.gather_with_sink(layer_params, layer_sink)}, carry, *args)
@@ -127,4 +166,273 @@ class LayerStack(nn.Module):
         def body(carry: jax.Array, xs: tuple[Any, Any]) -> tuple[jax.Array, None]:
             return layer(carry, *xs), None
 
-        return jax.lax.scan(body, x, (stacked, sinks))[0]
+        with opaque():
+            return jax.lax.scan(body, x, (stacked, sinks))[0]
+
+
+# ---- blocks of models written without LayerStack ------------------------------------------------
+
+
+def is_pair(x: Any) -> bool:
+    """Whether `x` is a (P shard, G sink) pair the step hands a block in place of a weight."""
+    return isinstance(x, tuple) and len(x) == 2 and all(hasattr(v, "shape") for v in x)
+
+
+def split_pairs(tree: Any) -> tuple[Any, Any]:
+    """(P shards, G sinks) of a tree of pairs."""
+    shards = jax.tree.map(lambda p: p[0], tree, is_leaf=is_pair)
+    sinks = jax.tree.map(lambda p: p[1], tree, is_leaf=is_pair)
+    return shards, sinks
+
+
+def _split_static(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """The arrays of `tree` (differentiable or not) and how to put them back among its static leaves."""
+    leaves, treedef = jax.tree.flatten(tree)
+    dynamic = [isinstance(x, jax.Array | np.ndarray) for x in leaves]
+
+    def rebuild(arrays: list[Any]) -> Any:
+        it = iter(arrays)
+        return treedef.unflatten([next(it) if d else x for x, d in zip(leaves, dynamic, strict=True)])
+
+    return [x for x, d in zip(leaves, dynamic, strict=True) if d], rebuild
+
+
+def _after(shards: Any, values: Any) -> Any:
+    """`shards` made to depend on `values` (the block's input, or the cotangent of its output).
+
+    Without a data dependence XLA issues every block's gather at the start of the step and keeps all
+    the weights live. An optimization barrier is not enough on the CPU backend (it is removed before
+    common-subexpression elimination, which then merges the backward gathers into the forward ones),
+    so the dependence is arithmetic: + 0 × one element (an Inf there makes the step non-finite anyway).
+    """
+    floating = [v for v in jax.tree.leaves(values) if jnp.issubdtype(v.dtype, jnp.floating) and v.size]
+    if not floating:
+        return shards
+    zero = floating[0].ravel()[0] * 0
+    return jax.tree.map(lambda s: s + zero.astype(s.dtype), shards)
+
+
+def gathered_call(
+    ops: StackOps, run: Callable[[Any, Any], Any], shards: Any, sinks: Any, inputs: Any, remat: bool
+) -> Any:
+    """`run(full weights, inputs)` with the weights gathered from `shards` just before the call.
+
+    The weight gradient is reduce-scattered into `sinks` (on G). With `remat` the forward pass keeps
+    only `inputs` and the shards, and the backward pass gathers again and recomputes the block (the
+    whole block: a selective remat policy does not apply here); without it the gathered weights are
+    kept for the backward pass, as `jax.grad` would. `inputs` may hold static leaves (flags, None).
+    """
+    arrays, rebuild = _split_static(inputs)
+
+    def apply(weights: Any, arrays: list[Any]) -> Any:
+        return run(weights, rebuild(arrays))
+
+    if not remat:
+        return apply(ops.gather_with_sink(_after(shards, arrays), sinks), arrays)
+
+    @jax.custom_vjp
+    def call(shards: Any, sinks: Any, arrays: list[Any]) -> Any:
+        del sinks
+        return apply(ops.gather(_after(shards, arrays)), arrays)
+
+    def forward(shards: Any, sinks: Any, arrays: list[Any]) -> tuple[Any, Any]:
+        return call(shards, sinks, arrays), (shards, arrays)
+
+    def backward(saved: Any, cotangent: Any) -> tuple[None, Any, Any]:
+        shards, arrays = saved
+        _, vjp = jax.vjp(apply, ops.gather(_after(shards, cotangent)), arrays)
+        weight_grads, input_grads = vjp(cotangent)
+        return None, ops.reduce(weight_grads), input_grads
+
+    call.defvjp(forward, backward)
+    return call(shards, sinks, arrays)
+
+
+def _copy_counters(counters: dict[Any, Any]) -> dict[Any, Any]:
+    # Keys include flax's child sentinel object, which must stay the same object (no deepcopy).
+    return {k: _copy_counters(v) if isinstance(v, dict) else v for k, v in counters.items()}
+
+
+def _is_lifted(cls: type) -> bool:
+    """Classes flax makes for `nn.scan`, `nn.remat`, ...: their calls wrap the block's own calls."""
+    return cls.__module__ == "flax.linen.transforms"
+
+
+def _linen_block_call(next_fun: Callable[..., Any], args: Any, kwargs: Any, info: Any) -> Any:
+    """`nn.intercept_methods` hook: a block's call becomes a `gathered_call` of its own code."""
+    context = current_context()
+    module = info.module
+    if (
+        context is None
+        or info.method_name != "__call__"
+        or _is_lifted(type(module))
+        or module.path not in context.blocks
+    ):
+        return next_fun(*args, **kwargs)
+    scope = module.scope
+    shards, sinks = split_pairs(dict(module.variables["params"]))
+    others = {name: value for name, value in module.variables.items() if name != "params"}
+    # The block's own RNG streams and counters, so dropout draws exactly what it would unwrapped; each
+    # run (forward, backward recompute) starts from the same counters.
+    lazy_rngs = dict(scope.rngs)
+    start = _copy_counters(scope.rng_counters)
+    used: list[dict[Any, Any]] = []
+    template = module.clone(parent=None)
+
+    def run(weights: Any, inputs: Any) -> Any:
+        args, kwargs, rngs = inputs
+        bound = template.bind({"params": weights, **others}, rngs={k: r.rng for k, r in rngs.items()})
+        bound.scope.rngs = dict(rngs)
+        bound.scope.rng_counters = _copy_counters(start)
+        used.append(bound.scope.rng_counters)
+        with opaque():
+            return bound(*args, **kwargs)
+
+    ops = context.blocks[module.path]
+    out = gathered_call(ops, run, shards, sinks, (args, kwargs, lazy_rngs), context.remat)
+    scope.rng_counters.update(used[0])
+    return out
+
+
+@contextlib.contextmanager
+def linen_blocks() -> Iterator[None]:
+    """Route calls of the blocks named in the active `LayerContext` through `gathered_call`."""
+    with nn.intercept_methods(_linen_block_call):
+        yield
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCall:
+    """One call of a module seen while tracing `init`: its path, class and per-call parameter shapes,
+    and the parameters its backward pass does not read (see `backward_unused`)."""
+
+    path: Path
+    cls: type
+    shapes: dict[Path, tuple[int, ...]]
+    backward_unused: frozenset[Path] = frozenset()
+
+
+def _live_inputs(jaxpr: jax_core.Jaxpr) -> list[bool]:
+    """Which inputs of `jaxpr` its outputs depend on (an equation with effects counts as an output;
+    one with a sub-program reads all its inputs)."""
+    live = {v for v in jaxpr.outvars if isinstance(v, jax_core.Var)}
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(v in live for v in eqn.outvars):
+            live.update(v for v in eqn.invars if isinstance(v, jax_core.Var))
+    return [v in live for v in jaxpr.invars]
+
+
+def backward_unused(run: Callable[[Any, Any], Any], weights: Any, inputs: Any) -> frozenset[Path]:
+    """Paths of `weights` whose values the backward pass of `run(weights, inputs)` never reads.
+
+    A bias added just before a residual sum is one: its gradient is the output's, and nothing
+    downstream multiplies by it. XLA drops the backward re-gather of such a weight as dead code, so
+    the schedule must not count it. Read off the backward program's dependencies (abstract shapes
+    only; nothing runs).
+    """
+    arrays, rebuild = _split_static(inputs)
+    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)  # noqa: E731
+    weights, arrays = abstract(weights), abstract(arrays)
+
+    def apply(weights: Any, arrays: list[Any]) -> Any:
+        return run(weights, rebuild(arrays))
+
+    try:
+        out = jax.eval_shape(apply, weights, arrays)
+        if not all(jnp.issubdtype(o.dtype, jnp.floating) for o in jax.tree.leaves(out)):
+            return frozenset()
+        backward = lambda w, a, cot: jax.vjp(apply, w, a)[1](cot)  # noqa: E731
+        jaxpr = jax.make_jaxpr(backward)(weights, arrays, out).jaxpr
+    except Exception:  # a block that needs what an abstract trace lacks (an RNG stream): count all
+        return frozenset()
+    paths = [tuple(str(getattr(k, "key", k)) for k in keys) for keys, _ in
+             jax.tree_util.tree_flatten_with_path(weights)[0]]  # fmt: skip
+    live = _live_inputs(jaxpr)
+    return frozenset(p for p, used in zip(paths, live, strict=False) if not used)
+
+
+def _shapes(tree: Any) -> dict[Path, tuple[int, ...]]:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {tuple(str(getattr(k, "key", k)) for k in keys): tuple(np.shape(v)) for keys, v in flat}
+
+
+@contextlib.contextmanager
+def recording_calls() -> Iterator[list[BlockCall]]:
+    """Collect every linen module call traced inside (for `find_blocks`)."""
+    calls: list[BlockCall] = []
+
+    def record(next_fun: Callable[..., Any], args: Any, kwargs: Any, info: Any) -> Any:
+        out = next_fun(*args, **kwargs)
+        module = info.module
+        if (
+            not _OPAQUE.get()
+            and info.method_name == "__call__"
+            and module.path
+            and not _is_lifted(type(module))
+            and not isinstance(module, LayerStack)
+        ):
+            params = module.variables.get("params", {})
+            template = module.clone(parent=None)
+
+            def run(weights: Any, inputs: Any, template: nn.Module = template) -> Any:
+                with opaque():
+                    return template.apply({"params": weights}, *inputs[0], **inputs[1])
+
+            unused = backward_unused(run, params, (args, kwargs)) if params else frozenset()
+            calls.append(BlockCall(tuple(module.path), type(module), _shapes(params), unused))
+        return out
+
+    with nn.intercept_methods(record):
+        yield calls
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """A block to gather one call at a time."""
+
+    stacked: bool  # its parameters carry a leading layer dimension (run by a scan)
+    backward_unused: frozenset[Path] = frozenset()  # relative paths the backward does not read
+
+
+def find_blocks(
+    calls: list[BlockCall],
+    stored: dict[Path, tuple[int, ...]],
+    classes: tuple[type, ...] | None = None,
+    exclude: tuple[Path, ...] = (),
+) -> dict[Path, Found]:
+    """The blocks to gather one at a time, by module path.
+
+    `stored` maps every parameter path to its shape. With `classes`, every outermost call of those
+    classes is a block; otherwise a block is an outermost module either run by a scan (its stored
+    parameters carry a layer dimension its calls do not see) or one of several sibling instances of
+    one class with equal parameter shapes (a loop or list of blocks). `exclude`: paths handled
+    otherwise (LayerStack stacks).
+    """
+
+    def stored_under(path: Path) -> dict[Path, tuple[int, ...]]:
+        return {p[len(path) :]: s for p, s in stored.items() if p[: len(path)] == path}
+
+    def stacked(call: BlockCall) -> bool:
+        full = stored_under(call.path)
+        return bool(call.shapes) and full.keys() == call.shapes.keys() and all(
+            len(full[k]) == len(s) + 1 and full[k][1:] == s for k, s in call.shapes.items()
+        ) and len({full[k][0] for k in full}) == 1
+
+    found: dict[Path, Found] = {}
+    siblings: dict[tuple[Path, type, tuple[Any, ...]], dict[Path, Found]] = {}
+    for call in calls:
+        if not call.shapes or any(call.path[: len(e)] == e for e in exclude) or call.path in found:
+            continue
+        block = Found(stacked(call), call.backward_unused)
+        if classes is not None:
+            if call.cls in classes:
+                found[call.path] = block
+        elif block.stacked:
+            found[call.path] = block
+        else:
+            key = (call.path[:-1], call.cls, tuple(sorted(call.shapes.items())))
+            siblings.setdefault(key, {}).setdefault(call.path, block)  # first call, in call order
+    for blocks in siblings.values():
+        if len(blocks) > 1:
+            found.update(blocks)
+    return {p: b for p, b in found.items() if not any(p[: len(q)] == q and q != p for q in found)}

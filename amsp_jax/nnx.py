@@ -7,8 +7,12 @@ as a pure dict; `apply` merges a params tree back into the module's graph and ca
 
 Variables other than `nnx.Param` (RNG streams, batch statistics) are not trained: `apply` rebuilds
 them from `seed` every call, so dropout draws the same masks each step and batch statistics are not
-updated. An nnx module has no `LayerStack`, so the step gathers its whole parameter tree at once
-instead of one layer at a time (the printed plan says so).
+updated.
+
+Blocks (a list of block instances, or one block stacked with `nnx.vmap` and run by `nnx.scan`) are
+gathered one call at a time, as for linen models: inside a step `apply` puts a wrapper module in
+place of each block, whose call is `amsp_jax.layers.gathered_call` of the block's own code, and
+`find_blocks` finds them from one abstract call of the model.
 """
 
 from __future__ import annotations
@@ -17,7 +21,68 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from flax import nnx
+from flax import nnx, traverse_util
+
+from amsp_jax.layers import (
+    BlockCall,
+    Found,
+    StackOps,
+    backward_unused,
+    current_context,
+    find_blocks,
+    gathered_call,
+    is_opaque,
+    is_pair,
+    opaque,
+    split_pairs,
+)
+
+Path = tuple[Any, ...]
+
+
+def _params_run(block: nnx.Module) -> tuple[Any, Any, Callable[[Any, Any], Any]]:
+    """The block's parameters (a pure dict), its other state, and `run(weights, (args, kwargs, rest))`:
+    its call with other weights."""
+    graphdef, params, rest = nnx.split(block, nnx.Param, ...)
+
+    def run(weights: Any, inputs: Any) -> Any:
+        args, kwargs, rest_state = inputs
+        state = jax.tree.map(lambda x: x, params, is_leaf=is_pair)
+        nnx.replace_by_pure_dict(state, weights)
+        with opaque():
+            return nnx.merge(graphdef, state, rest_state)(*args, **kwargs)
+
+    return nnx.to_pure_dict(params), rest, run
+
+
+class _Gathered(nnx.Module):
+    """In place of a block inside a step: each call gathers the block's weights (`gathered_call`)."""
+
+    def __init__(self, block: nnx.Module, ops: StackOps, remat: bool) -> None:
+        self.block, self.ops, self.remat = block, ops, remat
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        pairs, rest, run = _params_run(self.block)
+        shards, sinks = split_pairs(pairs)
+        return gathered_call(self.ops, run, shards, sinks, (args, kwargs, rest), self.remat)
+
+
+def _recorder(calls: list[BlockCall]) -> type[nnx.Module]:
+    class Recorded(nnx.Module):
+        """In place of a candidate block while `find_blocks` traces the model: notes each call."""
+
+        def __init__(self, block: nnx.Module, path: Path) -> None:
+            self.block, self.path = block, path
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            if not is_opaque():
+                params, rest, run = _params_run(self.block)
+                shapes = {p: tuple(x.shape) for p, x in traverse_util.flatten_dict(params).items()}
+                unused = backward_unused(run, params, (args, kwargs, rest))
+                calls.append(BlockCall(self.path, type(self.block), shapes, unused))
+            return self.block(*args, **kwargs)
+
+    return Recorded
 
 
 class NnxModel:
@@ -47,5 +112,44 @@ class NnxModel:
         return nnx.merge(self.graphdef, param_state, other_state)
 
     def apply(self, variables: dict[str, Any], *inputs: Any, **kwargs: Any) -> Any:
-        """Call the module with `variables["params"]` on `inputs`."""
-        return self.module(variables["params"])(*inputs, **kwargs)
+        """Call the module with `variables["params"]` on `inputs` (blocks gathered per call in a step)."""
+        module = self.module(variables["params"])
+        context = current_context()
+        if context is not None and context.blocks:
+            blocks = context.blocks
+            module = nnx.recursive_map(
+                lambda path, node: _Gathered(node, blocks[tuple(path)], context.remat)
+                if tuple(path) in blocks
+                else node,
+                module,
+            )
+        return module(*inputs, **kwargs)
+
+    def find_blocks(
+        self, abstract_params: Any, example_inputs: tuple[Any, ...], classes: tuple[type, ...] | None
+    ) -> dict[Path, Found]:
+        """The blocks to gather one call at a time (as `amsp_jax.layers.find_blocks`), from one abstract
+        call of the model on `example_inputs`. Candidates: instances of `classes`, else of every
+        module class not from Flax itself."""
+        calls: list[BlockCall] = []
+        recorded = _recorder(calls)
+
+        def candidate(node: Any) -> bool:
+            if not isinstance(node, nnx.Module):
+                return False
+            if classes is not None:
+                return type(node) in classes
+            return not type(node).__module__.startswith("flax.")
+
+        def call(params: Any) -> Any:
+            module = nnx.recursive_map(
+                lambda path, node: recorded(node, tuple(path))
+                if path and candidate(node)
+                else node,
+                self.module(params),
+            )
+            return module(*example_inputs)
+
+        jax.eval_shape(call, abstract_params)
+        stored = {p: tuple(x.shape) for p, x in traverse_util.flatten_dict(abstract_params).items()}
+        return find_blocks(calls, stored, classes)

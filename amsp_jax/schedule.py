@@ -184,6 +184,7 @@ class LeafSchedule:
     reduction: tuple[Op, ...]
     refresh: tuple[Op, ...]
     refresh_slice: tuple[str, ...]
+    per_layer: bool = False  # gathered per layer (a stack's or a block's leaf), else once per step
 
     @property
     def layers(self) -> int:
@@ -205,39 +206,44 @@ def leaf_schedule(
     param_itemsize: int,
     reduce_itemsize: int,
     implementation: Implementation = Implementation(),
+    per_layer: bool | None = None,
+    regathered: bool = True,
 ) -> LeafSchedule:
     """The collectives the step runs for one leaf, with their executions per step.
 
-    Layer-stack leaves are gathered per layer and micro-batch in the forward pass and again in the
-    backward pass unless remat is `none` (then the gathered weights are saved); their gradient is
-    reduce-scattered onto G per layer and micro-batch. Other leaves' gathers do not depend on the
-    micro-batch, so XLA hoists them out of the micro-batch loop (once per step); their gradient is
-    reduce-scattered per micro-batch. Once per step the G→OS reduction and the P refresh run.
+    Leaves of a layer (`per_layer`; by default the stacked ones: a leading layer dimension) are
+    gathered per layer and micro-batch in the forward pass and again in the backward pass unless
+    remat is `none` (then the gathered weights are saved); their gradient is reduce-scattered onto G
+    per layer and micro-batch. Other leaves' gathers do not depend on the micro-batch, so XLA hoists
+    them out of the micro-batch loop (once per step); their gradient is reduce-scattered per
+    micro-batch. Once per step the G→OS reduction and the P refresh run. A leaf the backward pass never
+    reads (`regathered=False`, e.g. a bias added just before a residual sum) is not gathered again.
     """
     split = leaf_layout(axes, shape, stacked)
     build = _Builder(axes, implementation.hierarchical)
     size = math.prod(shape)
     layers = shape[0] if stacked else 1
-    per_layer = size // layers
+    layer_size = size // layers
     all_axes = axes.all_axes
     if split.dim is None:
         # A leaf no dimension of can be split stays whole everywhere: only its gradient is summed.
         reduction = build.all_reduce(REDUCTION, all_axes, size, reduce_itemsize, 1)
-        return LeafSchedule(tuple(path), split, stacked, (), (), (), tuple(reduction), (), ())
+        return LeafSchedule(tuple(path), split, stacked, (), (), (), tuple(reduction), (), (), False)
     dim = split.dim - int(stacked)
     p_axes, g_axes, o_axes = axes.axes("params"), axes.axes("grads"), axes.axes("opt_state")
-    p_block = per_layer // axes.size(p_axes)
+    p_block = layer_size // axes.size(p_axes)
     per_micro_batch = layers * micro_batches
-    if stacked:
+    per_layer = stacked if per_layer is None else per_layer
+    if per_layer:
         gather = build.all_gather(FORWARD_GATHER, p_axes, dim, p_block, param_itemsize, per_micro_batch)
         regather = (
             build.all_gather(BACKWARD_GATHER, p_axes, dim, p_block, param_itemsize, per_micro_batch)
-            if remat != "none"
+            if remat != "none" and regathered
             else []
         )
     else:
         gather, regather = build.all_gather(OTHER_GATHER, p_axes, dim, p_block, param_itemsize, 1), []
-    grad_reduce = build.reduce_scatter(GRAD_REDUCE, g_axes, dim, per_layer, reduce_itemsize, per_micro_batch)
+    grad_reduce = build.reduce_scatter(GRAD_REDUCE, g_axes, dim, layer_size, reduce_itemsize, per_micro_batch)
 
     g_block = size // axes.size(g_axes)
     o_block = size // axes.size(o_axes)
@@ -263,7 +269,7 @@ def leaf_schedule(
         refresh, refresh_slice = [], tuple(a for a in p_axes if a not in o_axes)
     return LeafSchedule(
         tuple(path), split, stacked, tuple(gather), tuple(regather), tuple(grad_reduce),
-        tuple(reduction), tuple(refresh), refresh_slice,
+        tuple(reduction), tuple(refresh), refresh_slice, per_layer,
     )  # fmt: skip
 
 
@@ -292,17 +298,18 @@ class Schedule:
 
 def build(
     axes: AxisPlan,
-    leaves: Iterable[tuple[tuple[str, ...], Sequence[int], bool]],
+    leaves: Iterable[tuple[tuple[str, ...], Sequence[int], bool, bool, bool]],
     micro_batches: int,
     remat: str,
     param_itemsize: int,
     reduce_itemsize: int,
     implementation: Implementation = Implementation(),
 ) -> Schedule:
-    """The schedule of a step over `leaves` given as (path, shape, stacked)."""
+    """The schedule of a step over `leaves` given as (path, shape, stacked, gathered per layer,
+    gathered again in the backward pass)."""
     knobs = (micro_batches, remat, param_itemsize, reduce_itemsize, implementation)
     scheduled = {
-        tuple(path): leaf_schedule(axes, tuple(path), shape, stacked, *knobs)
-        for path, shape, stacked in leaves
+        tuple(path): leaf_schedule(axes, tuple(path), shape, stacked, *knobs, per_layer, regathered)
+        for path, shape, stacked, per_layer, regathered in leaves
     }
     return Schedule(scheduled, micro_batches, remat, implementation)

@@ -26,7 +26,16 @@ from jax.sharding import PartitionSpec as P
 
 from amsp_jax import collectives, optim_state
 from amsp_jax.errors import AmspError, one_line
-from amsp_jax.layers import LayerContext, StackOps, layer_context, recording_stacks
+from amsp_jax.layers import (
+    Found,
+    LayerContext,
+    StackOps,
+    find_blocks,
+    layer_context,
+    linen_blocks,
+    recording_calls,
+    recording_stacks,
+)
 from amsp_jax.plan import Plan
 from amsp_jax.schedule import LeafSchedule, Schedule
 from amsp_jax.schedule import build as build_schedule
@@ -53,15 +62,35 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class ParamLayout:
-    """Every parameter leaf's split, keyed by its path; which subtrees are layer stacks."""
+    """Every parameter leaf's split, keyed by its path; which subtrees are gathered one layer at a time.
+
+    `stacks` are subtrees with a leading layer dimension (a `LayerStack`, or a block run by a scan);
+    `blocks` are the modules whose calls the step wraps (blocks of models written without
+    `LayerStack`: loops, lists, `nn.scan`, nnx), stacked or not.
+    """
 
     leaves: dict[Path, LeafLayout]
     stacks: tuple[Path, ...]
     treedef: Any
+    blocks: tuple[Path, ...] = ()
+    backward_unused: frozenset[Path] = frozenset()  # block leaves the backward pass does not read
 
     def stack_of(self, path: Path) -> Path | None:
-        """The layer stack holding `path`, if any."""
+        """The stacked subtree holding `path` (its leaves have a layer dimension), if any."""
         return next((s for s in self.stacks if path[: len(s)] == s), None)
+
+    def block_of(self, path: Path) -> Path | None:
+        """The wrapped block holding `path`, if any."""
+        return next((b for b in self.blocks if path[: len(b)] == b), None)
+
+    def per_layer(self, path: Path) -> bool:
+        """Whether the step gathers `path` one layer at a time (else once per step, kept)."""
+        return self.stack_of(path) is not None or self.block_of(path) is not None
+
+    @property
+    def layer_stacks(self) -> tuple[Path, ...]:
+        """The `LayerStack` subtrees (which run their own layer scan)."""
+        return tuple(s for s in self.stacks if s not in self.blocks)
 
     def replicated(self) -> list[Path]:
         """Leaves that no dimension of could be split, so every component keeps them whole."""
@@ -76,14 +105,33 @@ def _flatten(tree: Any) -> dict[Path, Any]:
     return traverse_util.flatten_dict(flax.core.unfreeze(tree))
 
 
-def param_layout(layout: Layout, abstract_params: Any, stacks: tuple[Path, ...]) -> ParamLayout:
-    """Split every leaf of `abstract_params` (shapes) for the layout."""
+def param_layout(
+    layout: Layout, abstract_params: Any, stacks: tuple[Path, ...], blocks: dict[Path, Found] | None = None
+) -> ParamLayout:
+    """Split every leaf of `abstract_params` (shapes) for the layout; `blocks`: the wrapped blocks."""
+    blocks = blocks or {}
+    stacks = (*stacks, *(path for path, block in blocks.items() if block.stacked))
     flat = _flatten(abstract_params)
     leaves = {
         path: leaf_layout(layout, leaf.shape, any(path[: len(s)] == s for s in stacks))
         for path, leaf in flat.items()
     }
-    return ParamLayout(leaves, stacks, jax.tree.structure(abstract_params))
+    unused = frozenset((*path, *leaf) for path, block in blocks.items() for leaf in block.backward_unused)
+    return ParamLayout(leaves, stacks, jax.tree.structure(abstract_params), tuple(blocks), unused)
+
+
+def _blocks_summary(pl: ParamLayout) -> str:
+    """`Block_0 .. Block_11 (12 blocks)`, `layers (scanned, 12 layers)`: the wrapped blocks in words."""
+    scanned = [b for b in pl.blocks if b in pl.stacks]
+    looped = [b for b in pl.blocks if b not in pl.stacks]
+    parts = []
+    for block in scanned:
+        layers = next(leaf.shape[0] for p, leaf in pl.leaves.items() if p[: len(block)] == block)
+        parts.append(f"{'/'.join(map(str, block))} (scanned, {layers} layers)")
+    if looped:
+        names = ["/".join(map(str, b)) for b in looped]
+        parts.append(names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} blocks)")
+    return ", ".join(parts)
 
 
 class Trainer:
@@ -96,12 +144,18 @@ class Trainer:
         optimizer: optax.GradientTransformation,
         loss_fn: LossFn,
         devices: list[jax.Device] | None = None,
+        layers: tuple[type, ...] | None = None,
     ) -> None:
-        """`loss_fn(params, batch) -> mean loss` over one micro-batch; `params` as `model.init` makes them."""
+        """`loss_fn(params, batch) -> mean loss` over one micro-batch; `params` as `model.init` makes them.
+
+        `layers`: the block classes to gather one at a time (as FSDP wraps modules); by default they
+        are found in the model (blocks run by a scan, sibling instances of one class).
+        """
         self.plan = plan
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
+        self.layers = layers
         self.layout = make_layout(plan.cluster, plan.strategy, devices)
         self.params_layout: ParamLayout | None = None
         self._schedule: tuple[ParamLayout, Schedule] | None = None
@@ -112,10 +166,16 @@ class Trainer:
 
     def _abstract_params(
         self, key: jax.Array, example_inputs: tuple[Any, ...]
-    ) -> tuple[Any, tuple[Path, ...]]:
-        with recording_stacks() as stacks:
+    ) -> tuple[Any, tuple[Path, ...], dict[Path, Found]]:
+        find = getattr(self.model, "find_blocks", None)
+        with recording_stacks() as stacks, recording_calls() as calls:
             abstract = jax.eval_shape(lambda k: self.model.init(k, *example_inputs)["params"], key)
-        return abstract, tuple(stacks)
+        stored = {p: tuple(x.shape) for p, x in _flatten(abstract).items()}
+        if find is not None:
+            blocks = find(abstract, example_inputs, self.layers)
+        else:
+            blocks = find_blocks(calls, stored, self.layers, exclude=tuple(stacks))
+        return abstract, tuple(stacks), blocks
 
     @property
     def schedule(self) -> Schedule:
@@ -124,7 +184,11 @@ class Trainer:
         assert pl is not None, "call setup() or init() first"
         if self._schedule is None or self._schedule[0] is not pl:
             plan = self.plan
-            leaves = [(path, leaf.shape, pl.stack_of(path) is not None) for path, leaf in pl.leaves.items()]
+            leaves = [
+                (path, leaf.shape, pl.stack_of(path) is not None, pl.per_layer(path),
+                 path not in pl.backward_unused)
+                for path, leaf in pl.leaves.items()
+            ]  # fmt: skip
             built = build_schedule(
                 self.layout, leaves, plan.micro_batches, plan.remat, plan.precision.param_bytes,
                 plan.precision.reduce_bytes, plan.implementation,
@@ -164,7 +228,7 @@ class Trainer:
 
     def setup(self, key: jax.Array, *example_inputs: Any) -> None:
         """Trace the model once to learn its parameter shapes and layer stacks (no memory used)."""
-        abstract, stacks = self._abstract_params(key, example_inputs)
+        abstract, stacks, blocks = self._abstract_params(key, example_inputs)
         for path, leaf in _flatten(abstract).items():
             if not jnp.issubdtype(leaf.dtype, jnp.floating):
                 raise TrainerError(
@@ -172,7 +236,7 @@ class Trainer:
                     "from an fp32 master copy by its gradient; keep integer state out of the 'params' "
                     "collection (e.g. in a flax variable of another collection, or a constant)"
                 )
-        self.params_layout = param_layout(self.layout, abstract, stacks)
+        self.params_layout = param_layout(self.layout, abstract, stacks, blocks)
 
     def init(self, key: jax.Array, *example_inputs: Any) -> TrainState:
         """Initialise the sharded state; parameters are created directly in their OS shards."""
@@ -197,7 +261,7 @@ class Trainer:
         given = {path: tuple(np.shape(x)) for path, x in flat.items()}
         expected = {path: leaf.shape for path, leaf in self.params_layout.leaves.items()}
         if given != expected:
-            name = "/".join
+            name = lambda p: "/".join(map(str, p))  # noqa: E731
             wrong = [
                 f"{name(p)}: {given.get(p, 'missing')} here {expected.get(p, 'none')}"
                 for p in sorted(set(given) | set(expected), key=str)
@@ -284,12 +348,10 @@ class Trainer:
 
             return apply
 
-        stack_ops: dict[Path, StackOps] = {}
-        prefetching: set[Path] = set()
-        for stack in pl.stacks:
+        def layer_ops(stack: Path) -> tuple[StackOps, dict[Path, LeafSchedule]]:
             inner = {p[len(stack) :]: leaf for p, leaf in schedule.leaves.items() if p[: len(stack)] == stack}
             gathers = {p: gather_fn(leaf) for p, leaf in inner.items()}
-            stack_ops[stack] = StackOps(
+            return StackOps(
                 gather_with_sink=per_leaf(lambda g, block, sink: g(block, sink), gathers),
                 gather=per_leaf(
                     lambda leaf, block: collectives.gather_weights(layout, block, leaf.gather), inner
@@ -298,23 +360,36 @@ class Trainer:
                     lambda leaf, grad: collectives.reduce_gradient(grad, leaf.grad_reduce, reduce_dtype),
                     inner,
                 ),
-            )
+            ), inner
+
+        stack_ops: dict[Path, StackOps] = {}
+        prefetching: set[Path] = set()
+        for stack in pl.layer_stacks:
+            stack_ops[stack], inner = layer_ops(stack)
             if schedule.prefetches(next(iter(inner.values())).layers):
                 prefetching.add(stack)
-        top_gathers = {p: gather_fn(leaf) for p, leaf in schedule.leaves.items() if not leaf.stacked}
+        block_ops = {block: layer_ops(block)[0] for block in pl.blocks}
+        top_gathers = {p: gather_fn(leaf) for p, leaf in schedule.leaves.items() if not pl.per_layer(p)}
 
         def micro_loss(
             sinks: dict[Path, jax.Array], blocks: dict[Path, jax.Array], micro_batch: Any
         ) -> jax.Array:
-            tree = {p: (top_gathers[p](b, sinks[p]) if p in top_gathers else b) for p, b in blocks.items()}
+            # Leaves outside layers: gathered here. A LayerStack's: shards (it gathers each layer). A
+            # wrapped block's: (shard, sink) pairs, which its interceptor gathers call by call.
+            tree = {
+                p: top_gathers[p](b, sinks[p]) if p in top_gathers else (b, sinks[p]) if pl.block_of(p) else b
+                for p, b in blocks.items()
+            }
             stack_sinks = {
                 stack: traverse_util.unflatten_dict(
                     {p[len(stack) :]: s for p, s in sinks.items() if p[: len(stack)] == stack}
                 )
-                for stack in pl.stacks
+                for stack in pl.layer_stacks
             }
-            context = LayerContext(stack_ops, stack_sinks, policy, remat, prefetch=frozenset(prefetching))
-            with layer_context(context):
+            context = LayerContext(
+                stack_ops, stack_sinks, policy, remat, prefetch=frozenset(prefetching), blocks=block_ops
+            )
+            with layer_context(context), linen_blocks():
                 loss = self.loss_fn(traverse_util.unflatten_dict(tree), micro_batch)
             return loss.astype(jnp.float32)
 
@@ -492,7 +567,7 @@ class Trainer:
         itemsize = self.plan.precision.param_bytes
         per_group: dict[Path | None, int] = {}
         for path, leaf in pl.leaves.items():
-            stack = pl.stack_of(path)
+            stack = pl.stack_of(path) or pl.block_of(path)
             elements = int(np.prod(leaf.shape)) // (leaf.shape[0] if stack else 1)
             per_group[stack] = per_group.get(stack, 0) + elements * itemsize
         return max(per_group.values(), default=0)
@@ -510,17 +585,20 @@ class Trainer:
             lines.append(f"{component:<11} {placement} over {', '.join(axes)}")
         if pl is None:
             return "\n".join(lines)
-        if pl.stacks:
-            stacks = ", ".join("/".join(s) for s in pl.stacks)
+        if pl.layer_stacks:
+            stacks = ", ".join("/".join(map(str, s)) for s in pl.layer_stacks)
             lines.append(f"gathering   per layer inside the layer scan of {stacks}")
-        else:
+        if pl.blocks:
+            lines.append(f"gathering   per layer: each call of {_blocks_summary(pl)} gathers its own weights")
+        if not pl.stacks and not pl.blocks:
             lines.append(
-                "gathering   whole tree: the model has no LayerStack, so every parameter is gathered once "
-                "per step and stays gathered for the step (memory of the full P)"
+                "gathering   whole tree: no layers found (no LayerStack, scanned block or repeated block "
+                "class), so every parameter is gathered once per step and stays gathered (memory of the "
+                "full P); name the block classes with Trainer(..., layers=(Block,))"
             )
         replicated = pl.replicated()
         if replicated and any(self.layout.axes(c) for c in ("params", "grads", "opt_state")):
-            names = ", ".join("/".join(p) for p in replicated)
+            names = ", ".join("/".join(map(str, p)) for p in replicated)
             lines.append(
                 f"replicated  {len(replicated)} leaves have no dimension divisible by the group: {names}"
             )

@@ -331,18 +331,19 @@ def describe_plan(trainer: Trainer) -> list[str]:
         lines.append(f"replicated  {len(replicated)} leaves ({count:,} parameters) whole everywhere: {names}")
     else:
         lines.append("replicated  none")
-    stacked = [p for p in sizes if params.stack_of(p) is not None]
+    per_layer = [p for p in sizes if params.per_layer(p)]
     if not layout.axes("params"):
         lines.append("gathering   none: P is replicated, every device holds all of it")
-    elif params.stacks:
+    elif params.stacks or params.blocks:
+        units = dict.fromkeys((*params.stacks, *params.blocks))
         lines.append(
-            f"gathering   per layer in {', '.join(_path_name(s) for s in params.stacks)} "
-            f"({sum(sizes[p] for p in stacked):,} parameters); the other {len(sizes) - len(stacked)} "
+            f"gathering   per layer in {', '.join(_path_name(s) for s in units)} "
+            f"({sum(sizes[p] for p in per_layer):,} parameters); the other {len(sizes) - len(per_layer)} "
             "leaves whole once per step"
         )
     else:
         lines.append(
-            "gathering   whole tree: no LayerStack in the model, so every step gathers all of P at once "
+            "gathering   whole tree: no layers found in the model, so every step gathers all of P at once "
             "instead of one layer at a time"
         )
     return lines
