@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
-from amsp_jax import cost, hlo
+from amsp_jax import cost, hlo, optimizer_cost
 from amsp_jax.layers import STACK_PARAM
 from amsp_jax.sharding import AxisPlan
 
@@ -310,6 +311,7 @@ def workload_of(trainer: Any, batch: Any, dims: cost.ModelDims) -> cost.Workload
     plan = trainer.plan
     micro_batch_size = global_batch // (plan.cluster.num_devices * plan.micro_batches)
     on_cpu = trainer.layout.mesh.devices.flat[0].platform == "cpu"
+    master = layout.tree(lambda _, leaf: jax.ShapeDtypeStruct(leaf.shape, np.float32))
     return cost.Workload(
         leaves,
         dims,
@@ -320,6 +322,7 @@ def workload_of(trainer: Any, batch: Any, dims: cost.ModelDims) -> cost.Workload
         plan.remat,
         min_collective_itemsize=4 if on_cpu else 1,
         implementation=plan.implementation,
+        optimizer=optimizer_cost.describe(trainer.optimizer, master),
     )
 
 

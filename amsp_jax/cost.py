@@ -1,7 +1,9 @@
 """The analytic cost model: bytes of every collective phase and memory per device, without compiling.
 
-Bytes come from the step's own `amsp_jax.schedule` (the ops the step executes), so `amsp_jax.audit`
-can require the compiled program to move exactly the predicted bytes. Byte counts use the nccl-tests
+Bytes come from the step's own `amsp_jax.schedule` (the ops the step executes) and from
+`amsp_jax.optimizer_cost` (what XLA adds to the optimizer's update of sharded leaves: Muon's
+Newton–Schulz, Adafactor's factored statistics), so `amsp_jax.audit` can require the compiled program
+to move exactly the predicted bytes. Byte counts use the nccl-tests
 ring convention per device: all-gather and reduce-scatter move (n-1)/n of the larger buffer,
 all-reduce 2(n-1)/n. Scalar reductions (the loss, gradient norms) are not model-state traffic and
 are left out.
@@ -22,6 +24,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from amsp_jax import schedule
+from amsp_jax.optimizer_cost import ELEMENT_WISE, OptimizerUpdate, update_ops
 from amsp_jax.plan import Precision
 from amsp_jax.schedule import PHASES, Implementation, LeafSchedule, Op
 from amsp_jax.sharding import AxisPlan, LeafLayout
@@ -86,6 +89,8 @@ class Workload:
     # XLA's CPU backend runs 16-bit collectives in fp32 (seen in compiled HLO); 4 models that there.
     min_collective_itemsize: int = 1
     implementation: Implementation = dataclasses.field(default_factory=Implementation)
+    # What the optimizer's update communicates (`amsp_jax.optimizer_cost`); default element-wise: nothing.
+    optimizer: OptimizerUpdate = ELEMENT_WISE
 
     def wire_bytes(self, itemsize: int) -> int:
         """Bytes per element on the wire for a tensor of `itemsize`."""
@@ -195,9 +200,15 @@ def schedule_leaf(axes: AxisPlan, workload: Workload, leaf: LeafShape) -> LeafSc
     )  # fmt: skip
 
 
+def leaf_ops(axes: AxisPlan, workload: Workload, leaf: LeafShape) -> list[Op]:
+    """The step's ops for one leaf and the collectives XLA adds to the optimizer's update of it."""
+    scheduled = schedule_leaf(axes, workload, leaf)
+    return [*scheduled.ops(), *update_ops(axes, leaf.path, scheduled.split, workload.optimizer)]
+
+
 def leaf_transfers(axes: AxisPlan, workload: Workload, leaf: LeafShape) -> list[Transfer]:
     """Every collective the step runs for one leaf, with its executions per step."""
-    return [transfer(op, workload) for op in schedule_leaf(axes, workload, leaf).ops()]
+    return [transfer(op, workload) for op in leaf_ops(axes, workload, leaf)]
 
 
 def communication(axes: AxisPlan, workload: Workload) -> list[Transfer]:

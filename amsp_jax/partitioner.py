@@ -31,22 +31,23 @@ for P/G. `brute_force` enumerates every valid combination of the same `Terms`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pulp
 
-from amsp_jax import config_files, timing
+from amsp_jax import config_files, optimizer_cost, timing
 from amsp_jax.cluster_config import ClusterConfig, for_cluster
 from amsp_jax.cluster_config import load as load_cluster
 from amsp_jax.cost import Transfer, Workload, leaf_transfers, llama_workload, memory
-from amsp_jax.models.llama import LlamaConfig, ModelConfigError
+from amsp_jax.models.llama import LlamaConfig, ModelConfigError, muon_dimension_numbers
 from amsp_jax.plan import REMAT_POLICIES, Plan, Precision
-from amsp_jax.schedule import Implementation, accumulates, uses_prefetch
+from amsp_jax.schedule import UPDATE, Implementation, accumulates, uses_prefetch
 from amsp_jax.sharding import plan_axes, shard_dim
 from amsp_jax.space import Cluster, Placement, Strategy, preset
 
@@ -69,6 +70,7 @@ class Request:
     micro_batch_sizes: tuple[int, ...] | None = None
     remats: tuple[str, ...] = REMAT_POLICIES
     implementation: Implementation = dataclasses.field(default_factory=Implementation)
+    optimizer: str = "adam"  # adam (any element-wise optimizer), adafactor or muon
 
     @property
     def devices(self) -> int:
@@ -109,12 +111,27 @@ class Request:
         """The cost model's workload for one choice of batching and remat on this cluster's hardware."""
         w = llama_workload(self.model, self.seq_len, micro_batch_size, micro_batches, self.precision, remat)
         return w.with_(
-            min_collective_itemsize=self.cluster.collective_min_itemsize, implementation=self.implementation
+            min_collective_itemsize=self.cluster.collective_min_itemsize,
+            implementation=self.implementation,
+            optimizer=_update_rules(
+                tuple((leaf.path, leaf.shape) for leaf in w.leaves),
+                self.optimizer,
+                isinstance(self.model, LlamaConfig),
+            ),
         )
 
     def prefetches(self, micro_batches: int, remat: str) -> bool:
         """Whether the step runs the explicit-prefetch loop for this batching and remat."""
         return uses_prefetch(micro_batches, remat, self.model.n_layers, self.implementation.prefetch)
+
+
+@functools.cache
+def _update_rules(
+    leaves: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...], kind: str, llama: bool
+) -> optimizer_cost.OptimizerUpdate:
+    """What `kind`'s update communicates on these leaves: Muon on every matrix of a LLaMA, on another
+    model on its 2-D leaves (optax's default)."""
+    return optimizer_cost.for_kind(kind, dict(leaves), muon_dimension_numbers if llama else None)
 
 
 def placements(cluster: Cluster) -> list[Placement]:
@@ -161,6 +178,7 @@ class Terms:
     reduction: dict[tuple[Placement, Placement, int], float]
     refresh: dict[tuple[Placement, Placement, int], float]
     optimizer: dict[tuple[Placement, int], float]
+    update: dict[tuple[Placement, Placement], float]  # (OS, largest group): the update's collectives
     p_memory: dict[tuple[Placement, int, str], float]
     prefetch_memory: dict[tuple[Placement, int], float]
     g_memory: dict[tuple[Placement, int], float]
@@ -194,6 +212,7 @@ class Terms:
             timing.OTHER_GATHER: pt[timing.OTHER_GATHER],
             timing.REFRESH: self.refresh[(p, o, pi)],
             timing.REDUCTION: self.reduction[(g, o, pi)],
+            timing.UPDATE: self.update[(o, _top(p, g, o))],
         }
 
     def step_time(self, choice: Choice, regather: Placement | None = None) -> timing.StepTime:
@@ -321,6 +340,13 @@ def build_terms(request: Request) -> Terms:
         as_os = memory(plan_axes(cluster, Strategy(t, t, x)), workloads[remats[0]])
         os_memory[(x, pi)] = float(2 * as_os.master + as_os.opt_state)  # master, moments, the update
         optimizer[(x, pi)] = timing.optimizer_time(as_os, base.precision.param_bytes, hardware)
+    # The optimizer update's collectives (Muon's, Adafactor's) depend on the dimension each leaf is split
+    # along, which the largest group's degree sets: one term per (OS, largest group) pair.
+    update = {
+        (o, t): group_time(timing.UPDATE, t, o, profile_of[t])
+        for o, t in itertools.product(qs, qs)
+        if t.contains(o)
+    }
 
     batchings = tuple(request.batchings())
     activations, compute = {}, {}
@@ -342,6 +368,7 @@ def build_terms(request: Request) -> Terms:
         reduction=reduction,
         refresh=refresh,
         optimizer=optimizer,
+        update=update,
         p_memory=p_memory,
         prefetch_memory=prefetch_memory,
         g_memory=g_memory,
@@ -520,6 +547,7 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
             total(t * z_red[k] for k, t in terms.reduction.items()),
             total(terms.request.cluster.reduction_overlap * terms.compute[k].last_backward * w[k] for k in w),
         ),
+        "optimizer update": (_update_time(prob, terms, x, product), pulp.LpAffineExpression()),
     }
     for name, (comm, hide) in step_level.items():
         prob += exposed[name] >= scale * (comm - hide)
@@ -579,6 +607,27 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
     )
 
 
+def _update_time(
+    prob: pulp.LpProblem, terms: Terms, x: dict, product: Callable[[str], pulp.LpVariable]
+) -> pulp.LpAffineExpression:
+    """Seconds of the optimizer update's collectives: the term of (OS placement, largest group), through
+    y_t (t is the largest group of the three components) and products x_OS,o · y_t."""
+    priced = {k: v for k, v in terms.update.items() if v}
+    if not priced:
+        return pulp.LpAffineExpression()
+    qs = terms.placements
+    y = {q: pulp.LpVariable(f"top_{q}", cat="Binary") for q in qs}
+    prob += pulp.lpSum(list(y.values())) == 1
+    for q in qs:
+        larger = pulp.lpSum([x[(c, r)] for c in COMPONENTS for r in qs if r.degree > q.degree])
+        for c in COMPONENTS:
+            prob += y[q] >= x[(c, q)] - larger
+    both = {(o, t): product(f"wu_{o}_{t}") for o, t in priced}
+    for (o, t), v in both.items():
+        prob += v >= x[("OS", o)] + y[t] - 1
+    return pulp.lpSum([priced[k] * v for k, v in both.items()])
+
+
 # ---- full-model evaluation of chosen and preset plans ---------------------------------------------
 
 
@@ -624,6 +673,14 @@ class Evaluated:
             f"needs {self.memory_bytes / GIB:.1f} GiB per device, {self.memory_limit / GIB:.1f} GiB available"
         )
 
+    def update_bytes(self) -> dict[str, int]:
+        """Of the bytes per device and step, those of the optimizer update's collectives, by level."""
+        totals = {"intra": 0, "inter": 0}
+        for t in self.estimate.prediction.transfers:
+            if t.phase == UPDATE:
+                totals[t.level] += t.bytes
+        return totals
+
     def as_dict(self) -> dict[str, object]:
         """The JSON row of `amsp-jax plan --json`."""
         levels = self.estimate.prediction.bytes_by_level()
@@ -640,6 +697,7 @@ class Evaluated:
             "tokens_per_s": self.estimate.time.tokens_per_s(self.devices),
             "memory_bytes_per_device": self.memory_bytes,
             "bytes_per_device": {"intra": levels["intra"], "inter": levels["inter"]},
+            "optimizer_update_bytes_per_device": self.update_bytes(),
             "feasible": self.feasible,
             "reason": self.reason,
         }
@@ -778,6 +836,7 @@ def make_request(
     precision: str | Precision = "mixed",
     micro_batch_size: int | None = None,
     remat: str | None = None,
+    optimizer: str = "adam",
 ) -> Request:
     """A `Request` from model/cluster configs, files or shipped names; the batch in tokens or sequences."""
     if not isinstance(model, LlamaConfig):
@@ -795,6 +854,8 @@ def make_request(
     tokens = global_batch_tokens if global_batch_tokens is not None else global_batch * seq_len
     if remat is not None and remat not in REMAT_POLICIES:
         raise PlanError(f"unknown remat policy {remat!r}; use one of {REMAT_POLICIES}")
+    if optimizer not in optimizer_cost.KINDS:
+        raise PlanError(f"unknown optimizer {optimizer!r}; use one of {optimizer_cost.KINDS}")
     return Request(
         model=model,
         cluster=hardware,
@@ -803,6 +864,7 @@ def make_request(
         precision=Precision.named(precision) if isinstance(precision, str) else precision,
         micro_batch_sizes=None if micro_batch_size is None else (micro_batch_size,),
         remats=REMAT_POLICIES if remat is None else (remat,),
+        optimizer=optimizer,
     )
 
 
@@ -859,6 +921,7 @@ def choose(
     precision: str | Precision = "mixed",
     micro_batch_size: int | None = None,
     remat: str | None = None,
+    optimizer: str = "adam",
 ) -> Evaluated:
     """The fastest plan that fits: `.strategy`, `.micro_batch_size`, `.micro_batches`, `.remat`, `.estimate`.
 
@@ -866,8 +929,9 @@ def choose(
     `ClusterConfig`, a cluster YAML or shipped name (`a800-8x-ib800`), or a bare `space.Cluster`
     (hardware then from the shipped config of its name, else `cpu-sim`); `nodes` overrides the config's node
     count. Give the global batch in tokens or, as `global_batch`, in sequences. `micro_batch_size`
-    and `remat` fix those knobs instead of searching them. Raises `PlanError` when nothing fits,
-    saying how much memory the smallest plan needs and what would fit.
+    and `remat` fix those knobs instead of searching them; `optimizer` (adam, adafactor or muon) adds
+    the collectives its update needs on sharded leaves (`amsp_jax.optimizer_cost`). Raises `PlanError`
+    when nothing fits, saying how much memory the smallest plan needs and what would fit.
     """
     return plan(
         make_request(
@@ -880,5 +944,6 @@ def choose(
             precision=precision,
             micro_batch_size=micro_batch_size,
             remat=remat,
+            optimizer=optimizer,
         )
     )

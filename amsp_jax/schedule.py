@@ -33,9 +33,12 @@ OTHER_GATHER = "P gather, other leaves (once per step)"
 GRAD_REDUCE = "G reduce-scatter (per micro-batch)"
 REDUCTION = "G to OS reduction (once per step)"
 REFRESH = "P refresh (once per step)"
-PHASES = (FORWARD_GATHER, BACKWARD_GATHER, OTHER_GATHER, GRAD_REDUCE, REDUCTION, REFRESH)
+# Not issued by the step: what XLA inserts into the optimizer's update (`amsp_jax.optimizer_cost`).
+UPDATE = "optimizer update (once per step)"
+PHASES = (FORWARD_GATHER, BACKWARD_GATHER, OTHER_GATHER, GRAD_REDUCE, REDUCTION, REFRESH, UPDATE)
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all-gather", "reduce-scatter", "all-reduce"
+COLLECTIVE_PERMUTE = "collective-permute"  # only XLA's, in the optimizer's update
 
 # XLA unrolls one- and two-trip loops and then merges the forward and backward gathers of a peeled
 # layer (keeping it gathered), so short stacks stay on the checkpointed scan.
@@ -92,6 +95,8 @@ class Op:
     def bytes_sent(self, min_itemsize: int = 1) -> int:
         """Bytes this device sends in one execution (nccl-tests ring convention)."""
         size = self.elements * max(self.itemsize, min_itemsize)
+        if self.kind == COLLECTIVE_PERMUTE:  # one buffer to one other device
+            return size
         if self.kind == ALL_GATHER:
             return (self.group - 1) * size
         factor = 2 if self.kind == ALL_REDUCE else 1

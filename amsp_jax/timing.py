@@ -22,7 +22,9 @@ Overlap, per window (exposed = max(0, communication − compute it hides behind)
     behind the first micro-batch's forward (contention with that forward's layer gathers ignored);
   - reduction: the once-per-step G→OS reduction overlaps a fraction (the cluster's
     `overlap.reduction_fraction`) of the last micro-batch's backward: its buckets become ready one
-    layer at a time while the per-layer traffic of that backward shares the links.
+    layer at a time while the per-layer traffic of that backward shares the links;
+  - optimizer update: what XLA inserts into the update (`amsp_jax.optimizer_cost`, e.g. Muon's
+    Newton–Schulz on split matrices) is exposed: the update needs it before it can finish.
 Overlapped communication is not free: its kernels take SMs and HBM bandwidth from the compute they
 run beside, so a window costs at least the cluster's `overlap.interference` × its communication.
 Since every layer is alike, the per-layer max(0, comm − compute) summed over L layers and M
@@ -52,6 +54,7 @@ from amsp_jax.cost import (
     leaf_transfers,
     predict,
 )
+from amsp_jax.schedule import COLLECTIVE_PERMUTE
 from amsp_jax.sharding import AxisPlan
 
 FORWARD_GATHER = "P gather, layers (forward)"
@@ -61,8 +64,11 @@ OTHER_GRADS = "G reduce-scatter, other leaves (per micro-batch)"
 OTHER_GATHER = "P gather, other leaves (once per step)"
 REFRESH = "P refresh (once per step)"
 REDUCTION = "G to OS reduction (once per step)"
-GROUPS = (FORWARD_GATHER, BACKWARD_GATHER, LAYER_GRADS, OTHER_GRADS, OTHER_GATHER, REFRESH, REDUCTION)
-WINDOWS = ("forward", "backward", "other leaves", "step start", "reduction")
+UPDATE = "optimizer update (once per step)"
+GROUPS = (
+    FORWARD_GATHER, BACKWARD_GATHER, LAYER_GRADS, OTHER_GRADS, OTHER_GATHER, REFRESH, REDUCTION, UPDATE
+)  # fmt: skip
+WINDOWS = ("forward", "backward", "other leaves", "step start", "reduction", "optimizer update")
 
 
 def group_of(phase: str, stacked: bool) -> str:
@@ -75,6 +81,7 @@ def group_of(phase: str, stacked: bool) -> str:
         PHASES[2]: OTHER_GATHER,
         PHASES[4]: REDUCTION,
         PHASES[5]: REFRESH,
+        PHASES[6]: UPDATE,
     }[phase]
 
 
@@ -114,8 +121,13 @@ def traffic(axes: AxisPlan, workload: Workload) -> Traffic:
 
 
 def transfer_time(t: Transfer, cluster: ClusterConfig) -> float:
-    """Seconds of one (merged) transfer on `cluster`."""
-    return cluster.collective_time(t.kind, t.level, t.bytes, t.executions, t.group, t.nodes)
+    """Seconds of one (merged) transfer on `cluster`.
+
+    A collective-permute (XLA's, in the optimizer's update) sends one buffer to one other device: it
+    is priced as an all-gather over two devices, one ring step at the link's bandwidth.
+    """
+    kind = "all-gather" if t.kind == COLLECTIVE_PERMUTE else t.kind
+    return cluster.collective_time(kind, t.level, t.bytes, t.executions, t.group, t.nodes)
 
 
 def communication_times(traffic: Traffic, cluster: ClusterConfig) -> dict[str, float]:
@@ -198,6 +210,8 @@ def windows(comm: Mapping[str, float], compute: Compute) -> dict[str, tuple[floa
         "other leaves": (comm[OTHER_GRADS], compute.forward_other + compute.backward_other),
         "step start": (comm[OTHER_GATHER] + comm[REFRESH], compute.first_forward),
         "reduction": (comm[REDUCTION], compute.last_backward),
+        # The update's own collectives sit between the reduction and the refresh: nothing to hide behind.
+        "optimizer update": (comm[UPDATE], 0.0),
     }
 
 

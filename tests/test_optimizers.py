@@ -4,7 +4,11 @@ placements derived from the state, its memory, and checkpoints of it onto anothe
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +18,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import amsp_jax as aj
-from amsp_jax import optim_state
+from amsp_jax import audit, cost, optim_state, optimizer_cost
 from amsp_jax.checkpoint import Checkpointer
-from amsp_jax.models.llama import Llama, make_loss_fn
+from amsp_jax.models.llama import Llama, make_loss_fn, muon_dimension_numbers
+from amsp_jax.schedule import UPDATE
 from tests.helpers import CLUSTER, TINY, max_relative_error, train_data
 
 # Warm-up from 0: Adam-like updates divide by sqrt(v), so their first full-size step turns fp32
@@ -237,3 +242,72 @@ def test_checkpoint_of_the_state_restores_onto_another_plan_and_device_count(nam
     for leaf, target in zip(jax.tree.leaves(restored.opt_state), targets, strict=True):
         assert leaf.sharding == target
         assert set(leaf.devices()) <= set(four)
+
+
+# The update's collectives under plans that put the Newton–Schulz split in either matrix dimension and
+# over OS groups of 8 (zero3 and the mixed plan), 4 (replicated twice) and 2 (replicated four times:
+# GSPMD then also splits the iterations over the replicas, with point-to-point sends).
+AUDITED = [
+    ("muon", "zero3"),
+    ("muon", "p=2x1,g=4x1,os=4x2"),
+    ("muon", MIXED),
+    ("muon", "p=4x2,g=4x1,os=2x1"),
+    ("adafactor", "zero3"),
+    ("adafactor", "p=2x1,g=4x1,os=4x2"),
+]
+
+
+@pytest.mark.parametrize(("name", "strategy"), AUDITED)
+def test_audit_is_exact_with_the_collectives_of_the_optimizer_update(name, strategy):
+    shared = (name, strategy, 1) in PLANS  # compiled for the numerics test already
+    trainer = trained(name, strategy, 1)[0] if shared else make_trainer(name, strategy, 1)
+    report = audit.audit_trainer(trainer, train_data()[0], cost.llama_dims(TINY))
+    assert report.bytes_match, report.table()
+    update = [t for t in report.predicted.transfers if t.phase == UPDATE]
+    assert sum(t.bytes for t in update) > 0  # the update does communicate here
+    if strategy == "p=4x2,g=4x1,os=2x1":
+        assert {t.kind for t in update} >= {"collective-permute", "all-gather", "all-reduce"}
+
+
+def test_the_update_rules_are_read_from_the_optimizer():
+    abstract = make_trainer("adamw_masked", "zero3", 1).abstract_state().master
+    for name in ("adamw_masked", "lion", "sgd_momentum", "multi_transform_frozen", "multi_steps"):
+        assert optimizer_cost.describe(OPTIMIZERS[name](), abstract) == optimizer_cost.ELEMENT_WISE
+
+    muon = optimizer_cost.describe(OPTIMIZERS["muon"](), abstract)
+    assert muon.name == "muon" and not muon.unpriced
+    leaves = muon.muon_leaves
+    assert ("norm",) not in leaves and ("layers", "layer", "attention_norm") not in leaves
+    assert leaves[("layers", "layer", "wo")] == optimizer_cost.MuonLeaf((0,), (1, 2), (3,), 5)
+    assert leaves[("embed",)] == optimizer_cost.MuonLeaf((), (0,), (1,), 5)
+    # The model's own dimension numbers are the fixture's.
+    shipped = optax.contrib.muon(WARMUP, muon_weight_dimension_numbers=muon_dimension_numbers)
+    assert optimizer_cost.describe(shipped, abstract).muon == muon.muon
+    # Iterations and preconditioning come from the transformation itself.
+    three = optax.contrib.muon(WARMUP, ns_steps=3, muon_weight_dimension_numbers=muon_dimensions)
+    assert {leaf.steps for leaf in optimizer_cost.describe(three, abstract).muon_leaves.values()} == {3}
+    aol = optax.contrib.muon(WARMUP, preconditioning="aol", muon_weight_dimension_numbers=muon_dimensions)
+    assert optimizer_cost.describe(aol, abstract).unpriced
+    # Through wrappers: a chain, gradient accumulation.
+    for wrapped in (optax.chain(optax.clip_by_global_norm(1.0), OPTIMIZERS["muon"]()),
+                    optax.MultiSteps(OPTIMIZERS["muon"](), every_k_schedule=2)):  # fmt: skip
+        assert optimizer_cost.describe(wrapped, abstract) == muon
+
+    factored = optimizer_cost.describe(OPTIMIZERS["adafactor"](), abstract).factored_leaves
+    # Factored over the two largest dimensions (d1, d0); the norms' moments are not factored.
+    assert factored[("layers", "layer", "w1")] == (1, 2)
+    assert ("norm",) not in factored and ("layers", "layer", "ffn_norm") not in factored
+
+
+def test_update_rules_equal_the_compiled_update_of_llama_7b_leaves_on_1024_devices():
+    # Compile only, one leaf at a time: every Muon case (rows split with R < k and with R >= k, the
+    # contracted dimension split) and Adafactor, under ZeRO-3 and AMSP's 7B placement at 128 x 8.
+    child = subprocess.run(
+        [sys.executable, "-m", "benchmarks.optimizer_update", "--nodes", "128",
+         "--strategies", "zero3;p=1x1,g=1x1,os=8x1", "--optimizers", "muon,adafactor",
+         "--leaves", "wq,wo,w2,lm_head", "--check"],
+        capture_output=True, text=True, check=False, env={**os.environ, "XLA_FLAGS": ""},
+        cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stdout + child.stderr
+    assert child.stdout.count(" ok ") == 16

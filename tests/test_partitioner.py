@@ -10,7 +10,7 @@ import pytest
 from amsp_jax import partitioner as pt
 from amsp_jax.cluster_config import from_dict
 from amsp_jax.models.llama import LlamaConfig
-from amsp_jax.space import Cluster, Strategy, StrategyError
+from amsp_jax.space import Cluster, Strategy, StrategyError, resolve
 
 CASES = 50
 
@@ -44,7 +44,7 @@ def synthetic_cluster(rng: random.Random, nodes: int, per_node: int) -> dict:
     }
 
 
-def generated_case(seed: int) -> pt.Terms:
+def generated_case(seed: int, optimizer: str = "adam") -> pt.Terms:
     """Random model, cluster, hardware, sequence, batch; a memory limit between the least and most needed."""
     rng = random.Random(seed)
     dim = rng.choice([24, 32, 40, 48, 64, 96])
@@ -69,6 +69,7 @@ def generated_case(seed: int) -> pt.Terms:
         from_dict(synthetic_cluster(rng, nodes, per_node)),
         seq_len=seq_len,
         global_batch=per_device * nodes * per_node,
+        optimizer=optimizer,
     )
     terms = pt.build_terms(request)
     memories = [
@@ -150,3 +151,40 @@ def test_amsp_setting_is_solved_fast_and_fits():
     )
     assert chosen.feasible and chosen.micro_batch_size == 1
     assert chosen.solve_time_s < 2.0  # measured ~0.15 s; the bound leaves room for slow CI machines
+
+
+@pytest.mark.parametrize("seed", [3, 11, 29, 41])
+def test_with_muon_the_ilp_and_decomposed_model_stay_exact(seed):
+    # Muon's update bytes depend on each leaf's split dimension, which the largest group sets: the
+    # decomposed model keys them by (OS, largest group), exactly.
+    terms = generated_case(seed, "muon")
+    assert any(terms.update.values())
+    ilp, brute = pt.solve(terms), pt.brute_force(terms)
+    assert brute is not None and ilp is not None
+    assert ilp.step_s == pytest.approx(brute.step_s, rel=1e-6)
+    assert ilp.objective_s == pytest.approx(ilp.step_s, rel=1e-6)
+    rng = random.Random(seed)
+    strategies = list(pt.valid_strategies(terms))
+    for _ in range(6):
+        choice = pt.Choice(rng.choice(strategies), rng.choice(terms.batchings)[0], rng.choice(terms.remats))
+        full = pt.evaluate(terms.request, choice.strategy, choice.micro_batch_size, choice.remat)
+        assert terms.step_time(choice).step_s == pytest.approx(full.estimate.time.step_s, rel=1e-9)
+
+
+def test_muon_update_of_llama_7b_at_1024_gpus():
+    # Per device and step, by the rules that benchmarks/optimizer_update.py checks against the compiled
+    # update of every leaf (tests/test_optimizers.py runs a part of it).
+    request = pt.make_request(
+        "llama-7b", "a800-8x-ib800", 128, seq_len=4096, global_batch_tokens=4 * 2**20, optimizer="muon"
+    )
+    cluster = request.cluster.cluster()
+    moved = {
+        name: pt.evaluate(request, resolve(name, cluster), 1, "none").update_bytes()
+        for name in ("zero3", "p=1x1,g=1x1,os=8x1")
+    }
+    assert moved["zero3"]["intra"] == 0
+    assert moved["zero3"]["inter"] == pytest.approx(334.29e9, rel=1e-4)
+    assert moved["p=1x1,g=1x1,os=8x1"]["intra"] == pytest.approx(76.34e9, rel=1e-4)
+    assert moved["p=1x1,g=1x1,os=8x1"]["inter"] == pytest.approx(48.70e9, rel=1e-4)
+    plain = dataclasses.replace(request, optimizer="adam")
+    assert pt.evaluate(plain, resolve("zero3", cluster), 1, "none").update_bytes() == {"intra": 0, "inter": 0}

@@ -43,6 +43,20 @@ def test_plan_evaluates_a_given_strategy(capsys):
     assert out["chosen"]["micro_batch_size"] == 1
 
 
+def test_plan_prices_the_optimizer_update(capsys):
+    args = ["--model", "configs/models/llama-7b.yaml", *AMSP, "--strategy", "p=1x1,g=1x1,os=8x1"]
+    adam = plan_json(capsys, *args)["chosen"]
+    muon = plan_json(capsys, *args, "--optimizer", "muon")["chosen"]
+    assert adam["optimizer_update_bytes_per_device"] == {"intra": 0, "inter": 0}
+    moved = muon["optimizer_update_bytes_per_device"]
+    assert moved["intra"] > 70e9 and moved["inter"] > 40e9  # Newton–Schulz on split matrices
+    for level in ("intra", "inter"):
+        assert muon["bytes_per_device"][level] == adam["bytes_per_device"][level] + moved[level]
+    assert muon["step_time_s"] > adam["step_time_s"]
+    assert main(["plan", *args, "--optimizer", "muon"]) == 0
+    assert "of which the muon update's own collectives" in capsys.readouterr().out
+
+
 def test_plan_table_marks_what_does_not_fit(capsys):
     assert main(["plan", "--model", "configs/models/llama-7b.yaml", *AMSP]) == 0
     out = capsys.readouterr().out

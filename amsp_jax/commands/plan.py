@@ -7,6 +7,7 @@ import json
 import time
 
 from amsp_jax.config_files import shipped
+from amsp_jax.optimizer_cost import KINDS
 from amsp_jax.partitioner import (
     GIB,
     Evaluated,
@@ -39,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--remat", choices=REMAT_POLICIES, help="fix the remat policy instead of searching it"
     )
     parser.add_argument("--precision", default="mixed", choices=("mixed", "fp32"), help="default: mixed")
+    parser.add_argument(
+        "--optimizer",
+        default="adam",
+        choices=KINDS,
+        help="adam (any element-wise optimizer: no communication of its own), adafactor, or muon on "
+        "every matrix; the collectives XLA adds to the update are priced (default: adam)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -98,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         precision=args.precision,
         micro_batch_size=args.micro_batch_size,
         remat=args.remat,
+        optimizer=args.optimizer,
     )
     start = time.perf_counter()
     terms = build_terms(request)
@@ -123,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
                     "global_batch_tokens": request.global_batch_tokens,
                     "memory_limit_bytes": hardware.memory_limit,
                     "solve_time_s": solve_time,
+                    "optimizer": args.optimizer,
                     "chosen": chosen.as_dict(),
                     "alternatives": [r.as_dict() for r in rows],
                 },
@@ -143,6 +153,12 @@ def run(args: argparse.Namespace) -> int:
         )
         print()
         print(format_table([_row(chosen), *(_row(r) for r in rows)]))
+        if args.optimizer != "adam":
+            print()
+            print(f"of which the {args.optimizer} update's own collectives (per device and step):")
+            for r in [chosen, *rows]:
+                intra, inter = (r.update_bytes()[level] / 1e9 for level in ("intra", "inter"))
+                print(f"  {r.name:<8}intra {intra:,.2f} GB  inter {inter:,.2f} GB")
         for r in [chosen, *rows]:
             if not r.feasible:
                 print(f"  ! {r.name}: {r.reason}")

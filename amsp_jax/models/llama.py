@@ -207,3 +207,26 @@ def make_loss_fn(model: Llama) -> Any:
         return cross_entropy(model.apply({"params": params}, batch["inputs"]), batch["targets"])
 
     return loss
+
+
+def muon_dimension_numbers(params: Any) -> Any:
+    """Muon's `muon_weight_dimension_numbers` for this model: every matrix, heads merged into the output
+    (queries, keys, values) or the input (output projection), a layer stack's first dimension as a batch
+    of matrices; the norms go to Muon's AdamW."""
+    from optax.contrib import MuonDimensionNumbers
+
+    per_layer = {
+        "w1": MuonDimensionNumbers(1, 2),
+        "w2": MuonDimensionNumbers(1, 2),
+        "w3": MuonDimensionNumbers(1, 2),
+        "wq": MuonDimensionNumbers(1, (2, 3)),
+        "wk": MuonDimensionNumbers(1, (2, 3)),
+        "wv": MuonDimensionNumbers(1, (2, 3)),
+        "wo": MuonDimensionNumbers((1, 2), 3),
+    }
+    matrix = MuonDimensionNumbers(0, 1)
+    numbers: dict[str, Any] = {"embed": matrix, "norm": None}
+    if "lm_head" in params:
+        numbers["lm_head"] = matrix
+    numbers["layers"] = {"layer": {name: per_layer.get(name) for name in params["layers"]["layer"]}}
+    return numbers
