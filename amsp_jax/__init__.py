@@ -26,6 +26,8 @@ _EXPORTS = {
     "zero3": "amsp_jax.space",
     "Trainer": "amsp_jax.step",
     "TrainState": "amsp_jax.step",
+    "rng_for": "amsp_jax.step",
+    "choose": "amsp_jax.planning",
     "load_params": "amsp_jax.checkpoint",
     "read_params": "amsp_jax.checkpoint",
     "write_params": "amsp_jax.checkpoint",

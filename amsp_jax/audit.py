@@ -25,6 +25,7 @@ import numpy as np
 from amsp_jax import cost, hlo, optimizer_cost
 from amsp_jax.layers import STACK_PARAM
 from amsp_jax.sharding import AxisPlan
+from amsp_jax.workload import trace
 
 # Compiled memory on the CPU backend vs the cost model's estimate (activations and temporaries are an
 # estimate of XLA's buffer assignment); the tests assert this bound.
@@ -326,8 +327,16 @@ def workload_of(trainer: Any, batch: Any, dims: cost.ModelDims) -> cost.Workload
     )
 
 
-def audit_trainer(trainer: Any, batch: Any, dims: cost.ModelDims, dump_hlo: str | None = None) -> Report:
-    """Compile a set-up `trainer`'s step for `batch` (shapes suffice) and compare it with the cost model."""
+def audit_trainer(
+    trainer: Any, batch: Any, dims: cost.ModelDims | None = None, dump_hlo: str | None = None
+) -> Report:
+    """Compile a set-up `trainer`'s step for `batch` (shapes suffice) and compare it with the cost model.
+
+    `dims` (for the memory and time model) default to those `amsp_jax.workload.trace` infers from the
+    trainer's model.
+    """
+    if dims is None:
+        dims = trace(trainer.model, trainer.example_inputs, trainer.layers).dims
     abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     compiled = trainer.compile(trainer.abstract_state(), abstract_batch)
     if dump_hlo:

@@ -52,8 +52,18 @@ class LayerContext:
     sinks: dict[tuple[str, ...], Any]
     remat_policy: Callable[..., bool] | None
     remat: bool
-    prefetch: frozenset[tuple[str, ...]] = frozenset()  # stacks that run the explicit-prefetch loop
+    prefetch: frozenset[tuple[str, ...]] = frozenset()  # stacks and blocks that prefetch
     blocks: dict[tuple[str, ...], StackOps] = dataclasses.field(default_factory=dict)  # by block path
+    chain: Chain | None = None  # one per traced loss: how prefetching blocks pass their anchors on
+
+
+@dataclasses.dataclass
+class Chain:
+    """Anchors of prefetching blocks, in call order: block i's gather waits on block i-1's input (so it
+    runs during block i-1), and its backward re-gather on block i+1's output cotangent."""
+
+    forward: list[jax.Array] = dataclasses.field(default_factory=list)
+    backward: list[jax.Array] = dataclasses.field(default_factory=list)
 
 
 _CONTEXT: contextvars.ContextVar[LayerContext | None] = contextvars.ContextVar("amsp_layers", default=None)
@@ -63,6 +73,10 @@ _RECORDING: contextvars.ContextVar[list[tuple[str, ...]] | None] = contextvars.C
 # Set while amsp_jax itself runs a block's code (a LayerStack layer, a gathered block): calls inside
 # are the block's own and are neither intercepted nor recorded as blocks.
 _OPAQUE: contextvars.ContextVar[bool] = contextvars.ContextVar("amsp_opaque", default=False)
+# While `recording_calls` runs: each LayerStack's layer parameters its backward pass does not read.
+_STACK_UNUSED: contextvars.ContextVar[dict[tuple[str, ...], frozenset] | None] = contextvars.ContextVar(
+    "amsp_stack_unused", default=None
+)
 
 
 @contextlib.contextmanager
@@ -134,6 +148,15 @@ class LayerStack(nn.Module):
         recording = _RECORDING.get()
         if recording is not None and path not in recording:
             recording.append(path)
+        unused = _STACK_UNUSED.get()
+        if unused is not None and path not in unused:
+
+            def run(weights: Any, inputs: Any) -> Any:
+                with opaque():
+                    return block.apply({"params": weights}, inputs[0], *inputs[1])
+
+            layer = jax.tree.map(lambda leaf: leaf[0], stacked)
+            unused[path] = backward_unused(run, layer, (x, args))
         context = _CONTEXT.get()
         if context is None or path not in context.stacks:
 
@@ -161,7 +184,10 @@ class LayerStack(nn.Module):
             return block.apply({"params": ops.gather_with_sink(layer_params, layer_sink)}, carry, *args)
 
         if context.remat:
-            layer = jax.checkpoint(layer, policy=context.remat_policy)
+            # Inside a scan the forward and backward are different loop bodies, so nothing is to be
+            # guarded from CSE; the barrier would also pin the backward re-gather next to its use (no
+            # compute between its start and done on GPU).
+            layer = jax.checkpoint(layer, policy=context.remat_policy, prevent_cse=False)
 
         def body(carry: jax.Array, xs: tuple[Any, Any]) -> tuple[jax.Array, None]:
             return layer(carry, *xs), None
@@ -197,23 +223,34 @@ def _split_static(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
     return [x for x, d in zip(leaves, dynamic, strict=True) if d], rebuild
 
 
-def _after(shards: Any, values: Any) -> Any:
-    """`shards` made to depend on `values` (the block's input, or the cotangent of its output).
+def _anchor(values: Any) -> jax.Array | None:
+    """One element of the first floating array of `values` (a block's input or output cotangent)."""
+    floating = [v for v in jax.tree.leaves(values) if jnp.issubdtype(v.dtype, jnp.floating) and v.size]
+    return jax.lax.stop_gradient(floating[0].ravel()[0]) if floating else None
+
+
+def _after(shards: Any, anchor: jax.Array | None) -> Any:
+    """`shards` made to depend on `anchor` (see `_anchor`).
 
     Without a data dependence XLA issues every block's gather at the start of the step and keeps all
     the weights live. An optimization barrier is not enough on the CPU backend (it is removed before
     common-subexpression elimination, which then merges the backward gathers into the forward ones),
     so the dependence is arithmetic: + 0 × one element (an Inf there makes the step non-finite anyway).
     """
-    floating = [v for v in jax.tree.leaves(values) if jnp.issubdtype(v.dtype, jnp.floating) and v.size]
-    if not floating:
+    if anchor is None:
         return shards
-    zero = floating[0].ravel()[0] * 0
+    zero = anchor * 0
     return jax.tree.map(lambda s: s + zero.astype(s.dtype), shards)
 
 
 def gathered_call(
-    ops: StackOps, run: Callable[[Any, Any], Any], shards: Any, sinks: Any, inputs: Any, remat: bool
+    ops: StackOps,
+    run: Callable[[Any, Any], Any],
+    shards: Any,
+    sinks: Any,
+    inputs: Any,
+    remat: bool,
+    chain: Chain | None = None,
 ) -> Any:
     """`run(full weights, inputs)` with the weights gathered from `shards` just before the call.
 
@@ -221,31 +258,42 @@ def gathered_call(
     only `inputs` and the shards, and the backward pass gathers again and recomputes the block (the
     whole block: a selective remat policy does not apply here); without it the gathered weights are
     kept for the backward pass, as `jax.grad` would. `inputs` may hold static leaves (flags, None).
+    With a `chain` the gathers are issued one block early (prefetch), else they wait on this block's
+    own input and output cotangent.
     """
     arrays, rebuild = _split_static(inputs)
+    own = _anchor(arrays)
+    anchor = chain.forward[-1] if chain is not None and chain.forward else own
+    if chain is not None and own is not None:
+        chain.forward.append(own)
 
     def apply(weights: Any, arrays: list[Any]) -> Any:
         return run(weights, rebuild(arrays))
 
     if not remat:
-        return apply(ops.gather_with_sink(_after(shards, arrays), sinks), arrays)
+        return apply(ops.gather_with_sink(_after(shards, anchor), sinks), arrays)
 
     @jax.custom_vjp
-    def call(shards: Any, sinks: Any, arrays: list[Any]) -> Any:
+    def call(shards: Any, sinks: Any, arrays: list[Any], anchor: jax.Array | None) -> Any:
         del sinks
-        return apply(ops.gather(_after(shards, arrays)), arrays)
+        return apply(ops.gather(_after(shards, anchor)), arrays)
 
-    def forward(shards: Any, sinks: Any, arrays: list[Any]) -> tuple[Any, Any]:
-        return call(shards, sinks, arrays), (shards, arrays)
+    def forward(shards: Any, sinks: Any, arrays: list[Any], anchor: jax.Array | None) -> tuple[Any, Any]:
+        return call(shards, sinks, arrays, anchor), (shards, arrays)
 
-    def backward(saved: Any, cotangent: Any) -> tuple[None, Any, Any]:
+    def backward(saved: Any, cotangent: Any) -> tuple[None, Any, Any, None]:
         shards, arrays = saved
-        _, vjp = jax.vjp(apply, ops.gather(_after(shards, cotangent)), arrays)
+        own = _anchor(cotangent)
+        # The backward pass meets the blocks in reverse: the later block's cotangent came first.
+        anchor = chain.backward[-1] if chain is not None and chain.backward else own
+        if chain is not None and own is not None:
+            chain.backward.append(own)
+        _, vjp = jax.vjp(apply, ops.gather(_after(shards, anchor)), arrays)
         weight_grads, input_grads = vjp(cotangent)
-        return None, ops.reduce(weight_grads), input_grads
+        return None, ops.reduce(weight_grads), input_grads, None
 
     call.defvjp(forward, backward)
-    return call(shards, sinks, arrays)
+    return call(shards, sinks, arrays, anchor)
 
 
 def _copy_counters(counters: dict[Any, Any]) -> dict[Any, Any]:
@@ -289,7 +337,8 @@ def _linen_block_call(next_fun: Callable[..., Any], args: Any, kwargs: Any, info
             return bound(*args, **kwargs)
 
     ops = context.blocks[module.path]
-    out = gathered_call(ops, run, shards, sinks, (args, kwargs, lazy_rngs), context.remat)
+    chain = context.chain if module.path in context.prefetch else None
+    out = gathered_call(ops, run, shards, sinks, (args, kwargs, lazy_rngs), context.remat, chain)
     scope.rng_counters.update(used[0])
     return out
 
@@ -304,12 +353,19 @@ def linen_blocks() -> Iterator[None]:
 @dataclasses.dataclass(frozen=True)
 class BlockCall:
     """One call of a module seen while tracing `init`: its path, class and per-call parameter shapes,
-    and the parameters its backward pass does not read (see `backward_unused`)."""
+    the parameters its backward pass does not read (see `backward_unused`), its first input's shape."""
 
     path: Path
     cls: type
     shapes: dict[Path, tuple[int, ...]]
     backward_unused: frozenset[Path] = frozenset()
+    input_shape: tuple[int, ...] | None = None
+
+
+def first_shape(inputs: Any) -> tuple[int, ...] | None:
+    """The shape of the first array among `inputs` (a block's activation), if any."""
+    arrays = [x for x in jax.tree.leaves(inputs) if hasattr(x, "shape")]
+    return tuple(arrays[0].shape) if arrays else None
 
 
 def _live_inputs(jaxpr: jax_core.Jaxpr) -> list[bool]:
@@ -357,9 +413,11 @@ def _shapes(tree: Any) -> dict[Path, tuple[int, ...]]:
 
 
 @contextlib.contextmanager
-def recording_calls() -> Iterator[list[BlockCall]]:
-    """Collect every linen module call traced inside (for `find_blocks`)."""
+def recording_calls(stack_unused: dict[Path, frozenset] | None = None) -> Iterator[list[BlockCall]]:
+    """Collect every linen module call traced inside (for `find_blocks`), and into `stack_unused` each
+    LayerStack's layer parameters that its backward pass does not read."""
     calls: list[BlockCall] = []
+    stack_unused = {} if stack_unused is None else stack_unused
 
     def record(next_fun: Callable[..., Any], args: Any, kwargs: Any, info: Any) -> Any:
         out = next_fun(*args, **kwargs)
@@ -379,11 +437,17 @@ def recording_calls() -> Iterator[list[BlockCall]]:
                     return template.apply({"params": weights}, *inputs[0], **inputs[1])
 
             unused = backward_unused(run, params, (args, kwargs)) if params else frozenset()
-            calls.append(BlockCall(tuple(module.path), type(module), _shapes(params), unused))
+            shape = first_shape(args)
+            calls.append(BlockCall(tuple(module.path), type(module), _shapes(params), unused, shape))
         return out
 
-    with nn.intercept_methods(record):
-        yield calls
+    token = _STACK_UNUSED.set({})
+    try:
+        with nn.intercept_methods(record):
+            yield calls
+    finally:
+        stack_unused.update(_STACK_UNUSED.get() or {})
+        _STACK_UNUSED.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,6 +456,7 @@ class Found:
 
     stacked: bool  # its parameters carry a leading layer dimension (run by a scan)
     backward_unused: frozenset[Path] = frozenset()  # relative paths the backward does not read
+    input_shape: tuple[int, ...] | None = None  # of its first input (the activation), at one call
 
 
 def find_blocks(
@@ -423,7 +488,7 @@ def find_blocks(
     for call in calls:
         if not call.shapes or any(call.path[: len(e)] == e for e in exclude) or call.path in found:
             continue
-        block = Found(stacked(call), call.backward_unused)
+        block = Found(stacked(call), call.backward_unused, call.input_shape)
         if classes is not None:
             if call.cls in classes:
                 found[call.path] = block
@@ -436,3 +501,39 @@ def find_blocks(
         if len(blocks) > 1:
             found.update(blocks)
     return {p: b for p, b in found.items() if not any(p[: len(q)] == q and q != p for q in found)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layers:
+    """A model's parameter shapes and how its layers are gathered: `LayerStack` stacks and blocks."""
+
+    abstract_params: Any
+    stacks: tuple[Path, ...]
+    blocks: dict[Path, Found]
+    stack_unused: dict[Path, frozenset] = dataclasses.field(default_factory=dict)  # per LayerStack
+
+    @property
+    def backward_unused(self) -> frozenset[Path]:
+        """Every leaf (full path) of a layer whose backward pass does not read it: not re-gathered."""
+        relative = [(p, b.backward_unused) for p, b in self.blocks.items()] + list(self.stack_unused.items())
+        return frozenset((*p, *leaf) for p, leaves in relative for leaf in leaves)
+
+
+def find_layers(
+    model: Any, key: jax.Array, example_inputs: tuple[Any, ...], classes: tuple[type, ...] | None = None
+) -> Layers:
+    """Trace `model.init` once (shapes only) and find its layers: `LayerStack`s and blocks.
+
+    A model with its own `find_blocks(abstract_params, example_inputs, classes)` (an nnx model behind
+    `amsp_jax.nnx.NnxModel`) finds its blocks itself; for linen, `find_blocks` reads the traced calls.
+    """
+    own = getattr(model, "find_blocks", None)
+    unused: dict[Path, frozenset] = {}
+    with recording_stacks() as stacks, recording_calls(unused) as calls:
+        abstract = jax.eval_shape(lambda k: model.init(k, *example_inputs)["params"], key)
+    if own is not None:
+        return Layers(abstract, tuple(stacks), own(abstract, example_inputs, classes), unused)
+    flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    stored = {tuple(str(getattr(k, "key", k)) for k in keys): tuple(x.shape) for keys, x in flat}
+    blocks = find_blocks(calls, stored, classes, exclude=tuple(stacks))
+    return Layers(abstract, tuple(stacks), blocks, unused)

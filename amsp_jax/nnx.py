@@ -30,6 +30,7 @@ from amsp_jax.layers import (
     backward_unused,
     current_context,
     find_blocks,
+    first_shape,
     gathered_call,
     is_opaque,
     is_pair,
@@ -58,13 +59,15 @@ def _params_run(block: nnx.Module) -> tuple[Any, Any, Callable[[Any, Any], Any]]
 class _Gathered(nnx.Module):
     """In place of a block inside a step: each call gathers the block's weights (`gathered_call`)."""
 
-    def __init__(self, block: nnx.Module, ops: StackOps, remat: bool) -> None:
-        self.block, self.ops, self.remat = block, ops, remat
+    def __init__(self, block: nnx.Module, ops: StackOps, remat: bool, prefetch: bool) -> None:
+        self.block, self.ops, self.remat, self.prefetch = block, ops, remat, prefetch
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         pairs, rest, run = _params_run(self.block)
         shards, sinks = split_pairs(pairs)
-        return gathered_call(self.ops, run, shards, sinks, (args, kwargs, rest), self.remat)
+        context = current_context()
+        chain = context.chain if self.prefetch and context is not None else None
+        return gathered_call(self.ops, run, shards, sinks, (args, kwargs, rest), self.remat, chain)
 
 
 def _recorder(calls: list[BlockCall]) -> type[nnx.Module]:
@@ -79,7 +82,8 @@ def _recorder(calls: list[BlockCall]) -> type[nnx.Module]:
                 params, rest, run = _params_run(self.block)
                 shapes = {p: tuple(x.shape) for p, x in traverse_util.flatten_dict(params).items()}
                 unused = backward_unused(run, params, (args, kwargs, rest))
-                calls.append(BlockCall(self.path, type(self.block), shapes, unused))
+                shape = first_shape(args)
+                calls.append(BlockCall(self.path, type(self.block), shapes, unused, shape))
             return self.block(*args, **kwargs)
 
     return Recorded
@@ -118,7 +122,9 @@ class NnxModel:
         if context is not None and context.blocks:
             blocks = context.blocks
             module = nnx.recursive_map(
-                lambda path, node: _Gathered(node, blocks[tuple(path)], context.remat)
+                lambda path, node: _Gathered(
+                    node, blocks[tuple(path)], context.remat, tuple(path) in context.prefetch
+                )
                 if tuple(path) in blocks
                 else node,
                 module,

@@ -50,6 +50,7 @@ from amsp_jax.plan import REMAT_POLICIES, Plan, Precision
 from amsp_jax.schedule import UPDATE, Implementation, accumulates, uses_prefetch
 from amsp_jax.sharding import plan_axes, shard_dim
 from amsp_jax.space import Cluster, Placement, Strategy, preset
+from amsp_jax.workload import ModelSpec
 
 GIB = 2**30
 
@@ -62,7 +63,7 @@ class PlanError(ValueError):
 class Request:
     """What to plan: a model on a cluster, with the step's sequence length, batch and the knobs to search."""
 
-    model: LlamaConfig
+    model: LlamaConfig | ModelSpec
     cluster: ClusterConfig
     seq_len: int
     global_batch_tokens: int
@@ -109,7 +110,11 @@ class Request:
 
     def workload(self, micro_batch_size: int = 1, micro_batches: int = 1, remat: str = "full") -> Workload:
         """The cost model's workload for one choice of batching and remat on this cluster's hardware."""
-        w = llama_workload(self.model, self.seq_len, micro_batch_size, micro_batches, self.precision, remat)
+        knobs = (self.seq_len, micro_batch_size, micro_batches, self.precision, remat)
+        if isinstance(self.model, ModelSpec):
+            w = self.model.workload(*knobs)
+        else:
+            w = llama_workload(self.model, *knobs)
         return w.with_(
             min_collective_itemsize=self.cluster.collective_min_itemsize,
             implementation=self.implementation,
@@ -122,6 +127,8 @@ class Request:
 
     def prefetches(self, micro_batches: int, remat: str) -> bool:
         """Whether the step runs the explicit-prefetch loop for this batching and remat."""
+        if isinstance(self.model, ModelSpec) and not self.model.prefetchable:
+            return False  # blocks run by a scan (nn.scan, nnx.scan) gather in the loop, no prefetch
         return uses_prefetch(micro_batches, remat, self.model.n_layers, self.implementation.prefetch)
 
 
@@ -826,7 +833,7 @@ def nothing_fits(terms: Terms) -> PlanError:
 
 
 def make_request(
-    model: LlamaConfig | str | Path,
+    model: LlamaConfig | ModelSpec | str | Path,
     cluster: ClusterConfig | Cluster | str | Path,
     nodes: int | None = None,
     *,
@@ -839,7 +846,7 @@ def make_request(
     optimizer: str = "adam",
 ) -> Request:
     """A `Request` from model/cluster configs, files or shipped names; the batch in tokens or sequences."""
-    if not isinstance(model, LlamaConfig):
+    if not isinstance(model, LlamaConfig | ModelSpec):
         model = LlamaConfig.from_yaml(config_files.find("models", model, ModelConfigError))
     if isinstance(cluster, Cluster):
         hardware = for_cluster(cluster)
@@ -911,7 +918,7 @@ def plan(request: Request, terms: Terms | None = None) -> Evaluated:
 
 
 def choose(
-    model: LlamaConfig | str | Path,
+    model: LlamaConfig | ModelSpec | str | Path,
     cluster: ClusterConfig | Cluster | str | Path,
     nodes: int | None = None,
     *,
@@ -925,7 +932,8 @@ def choose(
 ) -> Evaluated:
     """The fastest plan that fits: `.strategy`, `.micro_batch_size`, `.micro_batches`, `.remat`, `.estimate`.
 
-    `model` is a `LlamaConfig`, a model YAML or a shipped model's name (`llama-7b`); `cluster` a
+    `model` is a `LlamaConfig`, a traced `workload.ModelSpec` (any Flax model: `amsp_jax.choose`
+    takes the model itself), a model YAML or a shipped model's name (`llama-7b`); `cluster` a
     `ClusterConfig`, a cluster YAML or shipped name (`a800-8x-ib800`), or a bare `space.Cluster`
     (hardware then from the shipped config of its name, else `cpu-sim`); `nodes` overrides the config's node
     count. Give the global batch in tokens or, as `global_batch`, in sequences. `micro_batch_size`

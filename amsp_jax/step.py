@@ -26,16 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from amsp_jax import collectives, optim_state
 from amsp_jax.errors import AmspError, one_line
-from amsp_jax.layers import (
-    Found,
-    LayerContext,
-    StackOps,
-    find_blocks,
-    layer_context,
-    linen_blocks,
-    recording_calls,
-    recording_stacks,
-)
+from amsp_jax.layers import Chain, LayerContext, Layers, StackOps, find_layers, layer_context, linen_blocks
 from amsp_jax.plan import Plan
 from amsp_jax.schedule import LeafSchedule, Schedule
 from amsp_jax.schedule import build as build_schedule
@@ -105,19 +96,17 @@ def _flatten(tree: Any) -> dict[Path, Any]:
     return traverse_util.flatten_dict(flax.core.unfreeze(tree))
 
 
-def param_layout(
-    layout: Layout, abstract_params: Any, stacks: tuple[Path, ...], blocks: dict[Path, Found] | None = None
-) -> ParamLayout:
-    """Split every leaf of `abstract_params` (shapes) for the layout; `blocks`: the wrapped blocks."""
-    blocks = blocks or {}
-    stacks = (*stacks, *(path for path, block in blocks.items() if block.stacked))
-    flat = _flatten(abstract_params)
+def param_layout(layout: Layout, layers: Layers) -> ParamLayout:
+    """Split every leaf of the model's parameters for the layout, knowing its layers."""
+    blocks = layers.blocks
+    stacks = (*layers.stacks, *(path for path, block in blocks.items() if block.stacked))
+    flat = _flatten(layers.abstract_params)
     leaves = {
         path: leaf_layout(layout, leaf.shape, any(path[: len(s)] == s for s in stacks))
         for path, leaf in flat.items()
     }
-    unused = frozenset((*path, *leaf) for path, block in blocks.items() for leaf in block.backward_unused)
-    return ParamLayout(leaves, stacks, jax.tree.structure(abstract_params), tuple(blocks), unused)
+    treedef = jax.tree.structure(layers.abstract_params)
+    return ParamLayout(leaves, stacks, treedef, tuple(blocks), layers.backward_unused)
 
 
 def _blocks_summary(pl: ParamLayout) -> str:
@@ -134,6 +123,15 @@ def _blocks_summary(pl: ParamLayout) -> str:
     return ", ".join(parts)
 
 
+def rng_for(
+    seed: int, step: jax.Array | int, micro_batch: jax.Array | int, shard: jax.Array | int
+) -> jax.Array:
+    """The key `loss_fn` gets for one micro-batch of one batch shard: `shard` is the index of the
+    device's slice of the global batch (slices in order), `micro_batch` the index within that slice."""
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    return jax.random.fold_in(jax.random.fold_in(key, micro_batch), shard)
+
+
 class Trainer:
     """Trains a Flax linen model with an optax optimizer under a plan, one jitted step at a time."""
 
@@ -145,17 +143,25 @@ class Trainer:
         loss_fn: LossFn,
         devices: list[jax.Device] | None = None,
         layers: tuple[type, ...] | None = None,
+        has_aux: bool = False,
+        rng_seed: int | None = None,
     ) -> None:
         """`loss_fn(params, batch) -> mean loss` over one micro-batch; `params` as `model.init` makes them.
 
         `layers`: the block classes to gather one at a time (as FSDP wraps modules); by default they
         are found in the model (blocks run by a scan, sibling instances of one class).
+        `has_aux`: `loss_fn` returns `(loss, metrics)`, a dict of scalars averaged like the loss into
+        the step's metrics. `rng_seed`: `loss_fn(params, batch, rng)` gets a key (e.g. for dropout),
+        `rng_for(seed, step, micro_batch, shard)`: a different one per step, micro-batch and batch shard.
         """
         self.plan = plan
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.layers = layers
+        self.has_aux = has_aux
+        self.rng_seed = rng_seed
+        self._example_inputs: tuple[Any, ...] = ()
         self.layout = make_layout(plan.cluster, plan.strategy, devices)
         self.params_layout: ParamLayout | None = None
         self._schedule: tuple[ParamLayout, Schedule] | None = None
@@ -164,18 +170,6 @@ class Trainer:
 
     # ---- state -------------------------------------------------------------------------------------
 
-    def _abstract_params(
-        self, key: jax.Array, example_inputs: tuple[Any, ...]
-    ) -> tuple[Any, tuple[Path, ...], dict[Path, Found]]:
-        find = getattr(self.model, "find_blocks", None)
-        with recording_stacks() as stacks, recording_calls() as calls:
-            abstract = jax.eval_shape(lambda k: self.model.init(k, *example_inputs)["params"], key)
-        stored = {p: tuple(x.shape) for p, x in _flatten(abstract).items()}
-        if find is not None:
-            blocks = find(abstract, example_inputs, self.layers)
-        else:
-            blocks = find_blocks(calls, stored, self.layers, exclude=tuple(stacks))
-        return abstract, tuple(stacks), blocks
 
     @property
     def schedule(self) -> Schedule:
@@ -228,7 +222,8 @@ class Trainer:
 
     def setup(self, key: jax.Array, *example_inputs: Any) -> None:
         """Trace the model once to learn its parameter shapes and layer stacks (no memory used)."""
-        abstract, stacks, blocks = self._abstract_params(key, example_inputs)
+        found = find_layers(self.model, key, example_inputs, self.layers)
+        abstract = found.abstract_params
         for path, leaf in _flatten(abstract).items():
             if not jnp.issubdtype(leaf.dtype, jnp.floating):
                 raise TrainerError(
@@ -236,18 +231,33 @@ class Trainer:
                     "from an fp32 master copy by its gradient; keep integer state out of the 'params' "
                     "collection (e.g. in a flax variable of another collection, or a constant)"
                 )
-        self.params_layout = param_layout(self.layout, abstract, stacks, blocks)
+        self.params_layout = param_layout(self.layout, found)
+        self._example_inputs = example_inputs
+
+    @property
+    def example_inputs(self) -> tuple[Any, ...]:
+        """The inputs `setup` traced the model with."""
+        return self._example_inputs
 
     def init(self, key: jax.Array, *example_inputs: Any) -> TrainState:
         """Initialise the sharded state; parameters are created directly in their OS shards."""
         self.setup(key, *example_inputs)
-        shardings = self.state_shardings()
+        return jax.jit(self.init_fn, out_shardings=self.state_shardings())(key)
 
-        def make(k: jax.Array) -> TrainState:
-            params = self.model.init(k, *example_inputs)["params"]
-            return self._fresh_state(jax.tree.map(lambda x: x.astype(jnp.float32), params))
+    def init_fn(self, key: jax.Array) -> TrainState:
+        """Pure and jit-able: the initial state from `key` (after `setup`), laid out on the plan's
+        shardings. Under your own `jit`, pass `out_shardings=trainer.state_shardings()`."""
+        assert self.params_layout is not None, "call setup(key, *example_inputs) first"
+        params = self.model.init(key, *self._example_inputs)["params"]
+        state = self._fresh_state(jax.tree.map(lambda x: x.astype(jnp.float32), params))
+        return jax.lax.with_sharding_constraint(state, self.state_shardings())
 
-        return jax.jit(make, out_shardings=shardings)(key)
+    def step_fn(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        """Pure and jit-able: one optimizer step on a global batch already on the devices (see
+        `shard_batch`), for your own `jit`, metrics and loop. `step()` is this, compiled and cached."""
+        assert self.params_layout is not None, "call setup(key, *example_inputs) first"
+        new_state, metrics = self._train_step(state, batch)
+        return jax.lax.with_sharding_constraint(new_state, self.state_shardings()), metrics
 
     def state_from_params(self, params: Any) -> TrainState:
         """A fresh state (step 0, new optimizer state) from a full parameter tree, e.g. pretrained.
@@ -328,9 +338,10 @@ class Trainer:
             body, mesh=layout.mesh, in_specs=(specs("opt_state"),), out_specs=specs("params")
         )(master)
 
-    def _micro_loss(self) -> Callable[[dict[Path, jax.Array], dict[Path, jax.Array], Any], jax.Array]:
-        """`micro_loss(sinks, P blocks, micro-batch)` for use inside shard_map: gathers P (per layer in
-        stacks), runs the user's loss, and routes gradients into the G-shaped sinks."""
+    def _micro_loss(self) -> Callable[..., tuple[jax.Array, Any]]:
+        """`micro_loss(sinks, P blocks, micro-batch, rng) -> (loss, metrics)` for use inside shard_map:
+        gathers P (per layer in stacks and blocks), runs the user's loss, and routes gradients into the
+        G-shaped sinks."""
         layout, pl, plan, schedule = self.layout, self.params_layout, self.plan, self.schedule
         assert pl is not None
         reduce_dtype = jnp.dtype(plan.precision.reduce_dtype)
@@ -369,15 +380,27 @@ class Trainer:
             if schedule.prefetches(next(iter(inner.values())).layers):
                 prefetching.add(stack)
         block_ops = {block: layer_ops(block)[0] for block in pl.blocks}
-        top_gathers = {p: gather_fn(leaf) for p, leaf in schedule.leaves.items() if not pl.per_layer(p)}
+        looped = [b for b in pl.blocks if b not in pl.stacks]
+        if looped and schedule.prefetches(len(looped)):
+            prefetching.update(looped)
+        attach = {
+            p: collectives.make_attach(leaf.grad_reduce, reduce_dtype)
+            for p, leaf in schedule.leaves.items()
+            if not pl.per_layer(p)
+        }
 
         def micro_loss(
-            sinks: dict[Path, jax.Array], blocks: dict[Path, jax.Array], micro_batch: Any
-        ) -> jax.Array:
-            # Leaves outside layers: gathered here. A LayerStack's: shards (it gathers each layer). A
-            # wrapped block's: (shard, sink) pairs, which its interceptor gathers call by call.
+            sinks: dict[Path, jax.Array],
+            blocks: dict[Path, jax.Array],
+            gathered: dict[Path, jax.Array],
+            micro_batch: Any,
+            rng: Any,
+        ) -> tuple[jax.Array, Any]:
+            # Leaves outside layers: gathered once per step (`gather_others`), their gradient reduced
+            # here per micro-batch. A LayerStack's: shards (it gathers each layer). A wrapped block's:
+            # (shard, sink) pairs, which its interceptor gathers call by call.
             tree = {
-                p: top_gathers[p](b, sinks[p]) if p in top_gathers else (b, sinks[p]) if pl.block_of(p) else b
+                p: attach[p](gathered[p], sinks[p]) if p in attach else (b, sinks[p]) if pl.block_of(p) else b
                 for p, b in blocks.items()
             }
             stack_sinks = {
@@ -387,13 +410,32 @@ class Trainer:
                 for stack in pl.layer_stacks
             }
             context = LayerContext(
-                stack_ops, stack_sinks, policy, remat, prefetch=frozenset(prefetching), blocks=block_ops
+                stack_ops, stack_sinks, policy, remat, frozenset(prefetching), block_ops, Chain()
             )
+            params = traverse_util.unflatten_dict(tree)
             with layer_context(context), linen_blocks():
-                loss = self.loss_fn(traverse_util.unflatten_dict(tree), micro_batch)
-            return loss.astype(jnp.float32)
+                if self.rng_seed is None:
+                    out = self.loss_fn(params, micro_batch)
+                else:
+                    out = self.loss_fn(params, micro_batch, rng)
+            loss, metrics = out if self.has_aux else (out, {})
+            return loss.astype(jnp.float32), jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics)
 
         return micro_loss
+
+    def _gather_others(self, blocks: dict[Path, jax.Array]) -> dict[Path, jax.Array]:
+        """Inside shard_map: the full leaves outside layers, gathered once for all micro-batches.
+
+        Gathered here rather than in each micro-batch: XLA's CPU backend hoists such loop-invariant
+        gathers out of the micro-batch loop, its GPU backend does not.
+        """
+        pl, schedule = self.params_layout, self.schedule
+        assert pl is not None
+        return {
+            p: collectives.gather_weights(self.layout, b, schedule.leaves[p].gather)
+            for p, b in blocks.items()
+            if not pl.per_layer(p)
+        }
 
     def _sinks(self, blocks: dict[Path, jax.Array]) -> dict[Path, jax.Array]:
         """Zero fp32 G blocks, typed varying over every axis like the gradients that land in them."""
@@ -406,12 +448,24 @@ class Trainer:
             for p in blocks
         }
 
+    def _rngs(self, step: jax.Array) -> jax.Array | None:
+        """Inside shard_map: this device's key for each micro-batch of `step` (see `rng_for`)."""
+        if self.rng_seed is None:
+            return None
+        axes = batch_spec(self.layout, 1)[0]
+        shard = jnp.zeros((), jnp.int32)
+        for axis in (axes,) if isinstance(axes, str) else axes:
+            shard = shard * self.layout.axis_size(axis) + jax.lax.axis_index(axis)
+        micro = jnp.arange(self.plan.micro_batches)
+        return jax.vmap(lambda m: rng_for(self.rng_seed, step, m, shard))(micro)
+
     def _split_micro_batches(self, local_batch: Any) -> Any:
         micro = self.plan.micro_batches
         return jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), local_batch)
 
-    def _gradients(self, params: Any, batch: Any) -> tuple[Any, jax.Array]:
-        """Mean loss and the summed-then-averaged gradient on OS's placement, from P shards and a batch."""
+    def _gradients(self, params: Any, batch: Any, step: jax.Array) -> tuple[Any, jax.Array, Any]:
+        """The summed-then-averaged gradient on OS's placement, mean loss and mean metrics, from P shards
+        and a batch."""
         layout, pl, plan, schedule = self.layout, self.params_layout, self.plan, self.schedule
         assert pl is not None
         count = layout.cluster.num_devices * plan.micro_batches
@@ -423,59 +477,67 @@ class Trainer:
             reduced = collectives.execute(g_block.astype(reduce_dtype), schedule.leaves[path].reduction, True)
             return reduced.astype(jnp.float32) / count
 
-        def body(param_blocks: Any, local_batch: Any) -> tuple[Any, jax.Array]:
+        value_and_grad = jax.value_and_grad(micro_loss, has_aux=True)
+
+        def body(param_blocks: Any, local_batch: Any, step: jax.Array) -> tuple[Any, jax.Array, Any]:
             blocks = _flatten(param_blocks)
             split = self._split_micro_batches(local_batch)
             sinks = self._sinks(blocks)
+            rngs = self._rngs(step)
+            gathered = self._gather_others(blocks)
 
-            def micro_step(
-                carry: tuple[dict[Path, jax.Array], jax.Array], micro_batch: Any
-            ) -> tuple[Any, None]:
-                accumulated, loss_sum = carry
-                loss, grads = jax.value_and_grad(micro_loss)(sinks, blocks, micro_batch)
+            def micro_step(carry: tuple[dict[Path, jax.Array], Any], xs: Any) -> tuple[Any, None]:
+                accumulated, sums = carry
+                (loss, metrics), grads = value_and_grad(sinks, blocks, gathered, *xs)
                 accumulated = {p: accumulated[p] + grads[p] for p in accumulated}
-                return (accumulated, loss_sum + loss), None
+                return (accumulated, jax.tree.map(jnp.add, sums, (loss, metrics))), None
 
             if not schedule.accumulates:
                 # No accumulator: one fp32 G-sized buffer less.
-                only = jax.tree.map(lambda x: x[0], split)
-                loss_sum, accumulated = jax.value_and_grad(micro_loss)(sinks, blocks, only)
+                only = jax.tree.map(lambda x: x[0], (split, rngs))
+                sums, accumulated = value_and_grad(sinks, blocks, gathered, *only)
             else:
-                zero_loss = collectives.mark_varying(jnp.zeros((), jnp.float32), all_axes)
-                (accumulated, loss_sum), _ = jax.lax.scan(micro_step, (sinks, zero_loss), split)
+                first = jax.tree.map(lambda x: x[0], (split, rngs))
+                shapes = jax.eval_shape(micro_loss, sinks, blocks, gathered, *first)
+                zeros = jax.tree.map(
+                    lambda s: collectives.mark_varying(jnp.zeros(s.shape, s.dtype), all_axes), shapes
+                )
+                (accumulated, sums), _ = jax.lax.scan(micro_step, (sinks, zeros), (split, rngs))
             grads = {p: to_opt_state(p, g) for p, g in accumulated.items()}
-            loss = jax.lax.psum(loss_sum, all_axes) / count
-            return traverse_util.unflatten_dict(grads), loss
+            loss, metrics = jax.tree.map(lambda x: jax.lax.psum(x, all_axes) / count, sums)
+            return traverse_util.unflatten_dict(grads), loss, metrics
 
         specs = lambda comp: pl.tree(lambda _, leaf: leaf.specs[comp])  # noqa: E731
         batch_specs = jax.tree.map(lambda x: batch_spec(layout, x.ndim), batch)
         return jax.shard_map(
             body,
             mesh=layout.mesh,
-            in_specs=(specs("params"), batch_specs),
-            out_specs=(specs("opt_state"), P()),
-        )(params, batch)
+            in_specs=(specs("params"), batch_specs, P()),
+            out_specs=(specs("opt_state"), P(), P()),
+        )(params, batch, step)
 
-    def _eval_loss(self, params: Any, batch: Any) -> jax.Array:
+    def _eval_loss(self, params: Any, batch: Any, step: jax.Array) -> jax.Array:
         """Mean loss of a batch, forward only, gathering P as the step does (per layer in stacks)."""
         layout, pl = self.layout, self.params_layout
         assert pl is not None
         micro_loss = self._micro_loss()
         count = layout.cluster.num_devices * self.plan.micro_batches
 
-        def body(param_blocks: Any, local_batch: Any) -> jax.Array:
+        def body(param_blocks: Any, local_batch: Any, step: jax.Array) -> jax.Array:
             blocks = _flatten(param_blocks)
             sinks = self._sinks(blocks)
+            gathered = self._gather_others(blocks)
             losses = jax.lax.map(
-                lambda mb: micro_loss(sinks, blocks, mb), self._split_micro_batches(local_batch)
+                lambda xs: micro_loss(sinks, blocks, gathered, *xs)[0],
+                (self._split_micro_batches(local_batch), self._rngs(step)),
             )
             return jax.lax.psum(losses.sum(), layout.all_axes) / count
 
         specs = pl.tree(lambda _, leaf: leaf.specs["params"])
         batch_specs = jax.tree.map(lambda x: batch_spec(layout, x.ndim), batch)
-        return jax.shard_map(body, mesh=layout.mesh, in_specs=(specs, batch_specs), out_specs=P())(
-            params, batch
-        )
+        return jax.shard_map(
+            body, mesh=layout.mesh, in_specs=(specs, batch_specs, P()), out_specs=P()
+        )(params, batch, step)
 
     def evaluate(self, state: TrainState, batch: Any) -> jax.Array:
         """Mean loss of a global batch under the current P, without gradients (e.g. held-out loss)."""
@@ -484,10 +546,10 @@ class Trainer:
             batch = self.shard_batch(batch)
         if self._evaluate is None:
             self._evaluate = jax.jit(self._eval_loss, out_shardings=NamedSharding(self.layout.mesh, P()))
-        return self._evaluate(state.params, batch)
+        return self._evaluate(state.params, batch, state.step)
 
     def _train_step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        grads, loss = self._gradients(state.params, batch)
+        grads, loss, metrics = self._gradients(state.params, batch, state.step)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.master)
         master = optax.apply_updates(state.master, updates)
@@ -498,7 +560,7 @@ class Trainer:
         master = jax.tree.map(keep, master, state.master)
         opt_state = jax.tree.map(keep, opt_state, state.opt_state)
         new_state = TrainState(state.step + 1, self._refresh(master), master, opt_state)
-        return new_state, {"loss": loss, "grad_norm": grad_norm}
+        return new_state, {**metrics, "loss": loss, "grad_norm": grad_norm}
 
     def check_batch(self, batch: Any) -> None:
         """Raise a clear error when the global batch does not split into devices × micro-batches."""
@@ -545,7 +607,7 @@ class Trainer:
         step = jax.jit(
             self._train_step,
             in_shardings=(shardings, batch_shardings),
-            out_shardings=(shardings, {"loss": replicated, "grad_norm": replicated}),
+            out_shardings=(shardings, replicated),
             donate_argnums=0,
         )
         return step.lower(state, batch)

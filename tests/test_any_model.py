@@ -86,6 +86,7 @@ def train(model, batches, strategy, micro_batches, **trainer_args):
     return trainer, state, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize(
     ("strategy", "micro_batches"), [("zero3", 1), ("zero3", 3), ("p=2x1,g=4x1,os=4x2", 3)]
@@ -140,6 +141,7 @@ def compiled_memory(style: str, layers: tuple[type, ...] | None = None) -> tuple
     return total + stats.temp_size_in_bytes, full_params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", STYLES)
 def test_zero3_memory_is_per_layer(style):
     """Below the full parameters, and within 10% of the same model built with LayerStack."""
@@ -159,7 +161,8 @@ def test_whole_tree_gathering_keeps_every_block():
 
 @pytest.mark.parametrize(
     ("style", "strategy", "micro_batches"),
-    [(style, "zero3", 1) for style in STYLES] + [("loop", "p=2x1,g=4x1,os=4x2", 3), ("nnx scan", "mics", 3)],
+    [(style, "zero3", 1) for style in (*STYLES, "stack")]
+    + [("loop", "p=2x1,g=4x1,os=4x2", 3), ("nnx scan", "mics", 3)],
 )
 def test_audit_bytes_are_exact(style, strategy, micro_batches):
     model = model_zoo.model(style)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 from amsp_jax.config_files import shipped
 from amsp_jax.optimizer_cost import KINDS
@@ -20,12 +21,18 @@ from amsp_jax.partitioner import (
 )
 from amsp_jax.plan import REMAT_POLICIES
 from amsp_jax.space import resolve
+from amsp_jax.workload import from_entry_point
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `plan` subcommand's flags."""
     models, clusters = ", ".join(shipped("models")), ", ".join(shipped("clusters"))
-    parser.add_argument("--model", required=True, help=f"model YAML, or a shipped model: {models}")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help=f"model YAML, a shipped model ({models}), or any Flax model from a Python entry point "
+        "module:function or file.py:function returning (model, example_inputs)",
+    )
     parser.add_argument("--cluster", required=True, help=f"cluster YAML, or a shipped cluster: {clusters}")
     parser.add_argument("--nodes", type=int, help="number of nodes (default: the cluster config's)")
     parser.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
@@ -97,8 +104,11 @@ def run(args: argparse.Namespace) -> int:
     Errors (nothing fits, a bad strategy or config) propagate to `amsp_jax.cli.main`, which prints them
     as one line and exits with code 2.
     """
+    model = args.model
+    if ":" in model and not Path(model).exists():
+        model = from_entry_point(model)
     request = make_request(
-        args.model,
+        model,
         args.cluster,
         args.nodes,
         seq_len=args.seq_len,
