@@ -91,23 +91,3 @@ def make_gather(
     gather.defvjp(forward, backward)
     return gather
 
-
-def make_attach(
-    reduce_ops: Sequence[Op], reduce_dtype: jnp.dtype
-) -> Callable[[jax.Array, jax.Array], jax.Array]:
-    """`attach(full, g_sink) -> full`: the identity on weights gathered earlier, whose gradient is
-    reduce-scattered over G into `g_sink` (as `make_gather`'s, without the gather)."""
-
-    @jax.custom_vjp
-    def attach(full: jax.Array, g_sink: jax.Array) -> jax.Array:
-        del g_sink
-        return full
-
-    def forward(full: jax.Array, g_sink: jax.Array) -> tuple[jax.Array, None]:
-        return attach(full, g_sink), None
-
-    def backward(_: None, cotangent: jax.Array) -> tuple[None, jax.Array]:
-        return None, reduce_gradient(cotangent, reduce_ops, reduce_dtype)
-
-    attach.defvjp(forward, backward)
-    return attach

@@ -184,10 +184,7 @@ class LayerStack(nn.Module):
             return block.apply({"params": ops.gather_with_sink(layer_params, layer_sink)}, carry, *args)
 
         if context.remat:
-            # Inside a scan the forward and backward are different loop bodies, so nothing is to be
-            # guarded from CSE; the barrier would also pin the backward re-gather next to its use (no
-            # compute between its start and done on GPU).
-            layer = jax.checkpoint(layer, policy=context.remat_policy, prevent_cse=False)
+            layer = jax.checkpoint(layer, policy=context.remat_policy)
 
         def body(carry: jax.Array, xs: tuple[Any, Any]) -> tuple[jax.Array, None]:
             return layer(carry, *xs), None

@@ -383,24 +383,16 @@ class Trainer:
         looped = [b for b in pl.blocks if b not in pl.stacks]
         if looped and schedule.prefetches(len(looped)):
             prefetching.update(looped)
-        attach = {
-            p: collectives.make_attach(leaf.grad_reduce, reduce_dtype)
-            for p, leaf in schedule.leaves.items()
-            if not pl.per_layer(p)
-        }
+        top_gathers = {p: gather_fn(leaf) for p, leaf in schedule.leaves.items() if not pl.per_layer(p)}
 
         def micro_loss(
-            sinks: dict[Path, jax.Array],
-            blocks: dict[Path, jax.Array],
-            gathered: dict[Path, jax.Array],
-            micro_batch: Any,
-            rng: Any,
+            sinks: dict[Path, jax.Array], blocks: dict[Path, jax.Array], micro_batch: Any, rng: Any
         ) -> tuple[jax.Array, Any]:
-            # Leaves outside layers: gathered once per step (`gather_others`), their gradient reduced
-            # here per micro-batch. A LayerStack's: shards (it gathers each layer). A wrapped block's:
-            # (shard, sink) pairs, which its interceptor gathers call by call.
+            # Leaves outside layers: gathered here (loop-invariant: XLA's CPU pipeline hoists them out
+            # of the micro-batch loop). A LayerStack's: shards (it gathers each layer). A wrapped
+            # block's: (shard, sink) pairs, which its interceptor gathers call by call.
             tree = {
-                p: attach[p](gathered[p], sinks[p]) if p in attach else (b, sinks[p]) if pl.block_of(p) else b
+                p: top_gathers[p](b, sinks[p]) if p in top_gathers else (b, sinks[p]) if pl.block_of(p) else b
                 for p, b in blocks.items()
             }
             stack_sinks = {
@@ -422,20 +414,6 @@ class Trainer:
             return loss.astype(jnp.float32), jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics)
 
         return micro_loss
-
-    def _gather_others(self, blocks: dict[Path, jax.Array]) -> dict[Path, jax.Array]:
-        """Inside shard_map: the full leaves outside layers, gathered once for all micro-batches.
-
-        Gathered here rather than in each micro-batch: XLA's CPU backend hoists such loop-invariant
-        gathers out of the micro-batch loop, its GPU backend does not.
-        """
-        pl, schedule = self.params_layout, self.schedule
-        assert pl is not None
-        return {
-            p: collectives.gather_weights(self.layout, b, schedule.leaves[p].gather)
-            for p, b in blocks.items()
-            if not pl.per_layer(p)
-        }
 
     def _sinks(self, blocks: dict[Path, jax.Array]) -> dict[Path, jax.Array]:
         """Zero fp32 G blocks, typed varying over every axis like the gradients that land in them."""
@@ -484,21 +462,20 @@ class Trainer:
             split = self._split_micro_batches(local_batch)
             sinks = self._sinks(blocks)
             rngs = self._rngs(step)
-            gathered = self._gather_others(blocks)
 
             def micro_step(carry: tuple[dict[Path, jax.Array], Any], xs: Any) -> tuple[Any, None]:
                 accumulated, sums = carry
-                (loss, metrics), grads = value_and_grad(sinks, blocks, gathered, *xs)
+                (loss, metrics), grads = value_and_grad(sinks, blocks, *xs)
                 accumulated = {p: accumulated[p] + grads[p] for p in accumulated}
                 return (accumulated, jax.tree.map(jnp.add, sums, (loss, metrics))), None
 
             if not schedule.accumulates:
                 # No accumulator: one fp32 G-sized buffer less.
                 only = jax.tree.map(lambda x: x[0], (split, rngs))
-                sums, accumulated = value_and_grad(sinks, blocks, gathered, *only)
+                sums, accumulated = value_and_grad(sinks, blocks, *only)
             else:
                 first = jax.tree.map(lambda x: x[0], (split, rngs))
-                shapes = jax.eval_shape(micro_loss, sinks, blocks, gathered, *first)
+                shapes = jax.eval_shape(micro_loss, sinks, blocks, *first)
                 zeros = jax.tree.map(
                     lambda s: collectives.mark_varying(jnp.zeros(s.shape, s.dtype), all_axes), shapes
                 )
@@ -526,9 +503,8 @@ class Trainer:
         def body(param_blocks: Any, local_batch: Any, step: jax.Array) -> jax.Array:
             blocks = _flatten(param_blocks)
             sinks = self._sinks(blocks)
-            gathered = self._gather_others(blocks)
             losses = jax.lax.map(
-                lambda xs: micro_loss(sinks, blocks, gathered, *xs)[0],
+                lambda xs: micro_loss(sinks, blocks, *xs)[0],
                 (self._split_micro_batches(local_batch), self._rngs(step)),
             )
             return jax.lax.psum(losses.sum(), layout.all_axes) / count

@@ -88,9 +88,7 @@ def train(model, batches, strategy, micro_batches, **trainer_args):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("style", STYLES)
-@pytest.mark.parametrize(
-    ("strategy", "micro_batches"), [("zero3", 1), ("zero3", 3), ("p=2x1,g=4x1,os=4x2", 3)]
-)
+@pytest.mark.parametrize(("strategy", "micro_batches"), [("zero3", 1), ("p=2x1,g=4x1,os=4x2", 3)])
 def test_style_trains_like_the_single_device_reference(style, strategy, micro_batches):
     model = model_zoo.model(style)
     batches = data()
@@ -161,8 +159,7 @@ def test_whole_tree_gathering_keeps_every_block():
 
 @pytest.mark.parametrize(
     ("style", "strategy", "micro_batches"),
-    [(style, "zero3", 1) for style in (*STYLES, "stack")]
-    + [("loop", "p=2x1,g=4x1,os=4x2", 3), ("nnx scan", "mics", 3)],
+    [(style, "zero3", 1) for style in (*STYLES, "stack")] + [("nnx scan", "p=2x1,g=4x1,os=4x2", 3)],
 )
 def test_audit_bytes_are_exact(style, strategy, micro_batches):
     model = model_zoo.model(style)
