@@ -22,7 +22,7 @@ from tests.train_helpers import REPO
 TOKENS = jnp.zeros((2, model_zoo.SEQ), jnp.int32)
 
 
-@pytest.mark.parametrize("style", ["loop", "scan", "nnx list", "nnx scan", "stack"])
+@pytest.mark.parametrize("style", ["loop", "nnx scan", "stack"])
 def test_traced_workload_is_what_the_step_runs(style):
     """Same leaves, per-layer flags and re-gathers as the trainer's schedule; dimensions read off."""
     model = model_zoo.model(style)
@@ -41,7 +41,7 @@ def test_traced_workload_is_what_the_step_runs(style):
         model_zoo.LAYERS, model_zoo.WIDTH, model_zoo.HEADS, model_zoo.WIDTH // model_zoo.HEADS,
         4 * model_zoo.WIDTH, model_zoo.VOCAB,
     )  # fmt: skip
-    assert spec.prefetchable == (style in ("stack", "loop", "nnx list"))
+    assert spec.prefetchable == (style in ("stack", "loop"))
     assert spec.num_params() == sum(
         int(np.prod(x.shape)) for x in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0), TOKENS))
     )
@@ -69,12 +69,8 @@ def test_plan_command_takes_a_python_entry_point(tmp_path):
         "--nodes", "2", "--seq-len", "1024", "--global-batch-tokens", str(64 * 16 * 1024),
     ]  # fmt: skip
     env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
-    text = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=False, env=env)
-    assert text.returncode == 0, text.stderr[-2000:]
-    # GPT-2 medium: 24 blocks of 12.6 M, token and position embeddings, head: 406.4 M parameters.
-    assert text.stdout.startswith("GPT (") and "(0.41B params)" in text.stdout.splitlines()[0]
     result = subprocess.run([*command, "--json"], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
-    chosen = json.loads(result.stdout)["chosen"]
-    assert chosen["feasible"]
-    assert aj.Strategy.parse(chosen["strategy"])
+    report = json.loads(result.stdout)
+    assert report["model"].endswith("gpt_entry.py:gpt") and report["chosen"]["feasible"]
+    assert aj.Strategy.parse(report["chosen"]["strategy"])
