@@ -398,8 +398,7 @@ def backward_unused(run: Callable[[Any, Any], Any], weights: Any, inputs: Any) -
         jaxpr = jax.make_jaxpr(backward)(weights, arrays, out).jaxpr
     except Exception:  # a block that needs what an abstract trace lacks (an RNG stream): count all
         return frozenset()
-    paths = [tuple(str(getattr(k, "key", k)) for k in keys) for keys, _ in
-             jax.tree_util.tree_flatten_with_path(weights)[0]]  # fmt: skip
+    paths = list(_shapes(weights))  # in flattening order, as the program's inputs
     live = _live_inputs(jaxpr)
     return frozenset(p for p, used in zip(paths, live, strict=False) if not used)
 
@@ -510,6 +509,11 @@ class Layers:
     stack_unused: dict[Path, frozenset] = dataclasses.field(default_factory=dict)  # per LayerStack
 
     @property
+    def stacked(self) -> tuple[Path, ...]:
+        """Subtrees whose leaves carry a layer dimension: LayerStacks and blocks run by a scan."""
+        return (*self.stacks, *(path for path, block in self.blocks.items() if block.stacked))
+
+    @property
     def backward_unused(self) -> frozenset[Path]:
         """Every leaf (full path) of a layer whose backward pass does not read it: not re-gathered."""
         relative = [(p, b.backward_unused) for p, b in self.blocks.items()] + list(self.stack_unused.items())
@@ -530,7 +534,5 @@ def find_layers(
         abstract = jax.eval_shape(lambda k: model.init(k, *example_inputs)["params"], key)
     if own is not None:
         return Layers(abstract, tuple(stacks), own(abstract, example_inputs, classes), unused)
-    flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
-    stored = {tuple(str(getattr(k, "key", k)) for k in keys): tuple(x.shape) for keys, x in flat}
-    blocks = find_blocks(calls, stored, classes, exclude=tuple(stacks))
+    blocks = find_blocks(calls, _shapes(abstract), classes, exclude=tuple(stacks))
     return Layers(abstract, tuple(stacks), blocks, unused)

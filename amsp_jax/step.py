@@ -98,15 +98,14 @@ def _flatten(tree: Any) -> dict[Path, Any]:
 
 def param_layout(layout: Layout, layers: Layers) -> ParamLayout:
     """Split every leaf of the model's parameters for the layout, knowing its layers."""
-    blocks = layers.blocks
-    stacks = (*layers.stacks, *(path for path, block in blocks.items() if block.stacked))
+    stacks = layers.stacked
     flat = _flatten(layers.abstract_params)
     leaves = {
         path: leaf_layout(layout, leaf.shape, any(path[: len(s)] == s for s in stacks))
         for path, leaf in flat.items()
     }
     treedef = jax.tree.structure(layers.abstract_params)
-    return ParamLayout(leaves, stacks, treedef, tuple(blocks), layers.backward_unused)
+    return ParamLayout(leaves, stacks, treedef, tuple(layers.blocks), layers.backward_unused)
 
 
 def _blocks_summary(pl: ParamLayout) -> str:

@@ -56,7 +56,7 @@ class ModelSpec:
 
 def _leaves(layers: Layers) -> tuple[LeafShape, ...]:
     flat = traverse_util.flatten_dict(dict(layers.abstract_params))
-    stacks = (*layers.stacks, *(p for p, b in layers.blocks.items() if b.stacked))
+    stacks = layers.stacked
     unused = layers.backward_unused
 
     def under(path: LeafPath, roots: Any) -> bool:
