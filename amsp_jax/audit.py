@@ -312,7 +312,7 @@ def workload_of(trainer: Any, batch: Any, dims: cost.ModelDims) -> cost.Workload
     plan = trainer.plan
     micro_batch_size = global_batch // (plan.cluster.num_devices * plan.micro_batches)
     on_cpu = trainer.layout.mesh.devices.flat[0].platform == "cpu"
-    master = layout.tree(lambda _, leaf: jax.ShapeDtypeStruct(leaf.shape, np.float32))
+    master = layout.tree(lambda _, leaf: jax.ShapeDtypeStruct(leaf.padded, np.float32))
     return cost.Workload(
         leaves,
         dims,

@@ -4,7 +4,9 @@ One Orbax step directory per checkpoint, written under a temporary name and rena
 so a checkpoint is either whole or absent (a save cut short leaves only a `*.orbax-checkpoint-tmp*`
 directory, which Orbax never lists):
 
-  state/  fp32 master weights, optimizer state and step, each with its sharding; the RNG key data
+  state/  fp32 master weights, optimizer state and step, each with its sharding (a leaf whose split
+          dimension does not divide is stored padded with zeros; `param_shapes` has its real shape);
+          the RNG key data
   meta/   JSON: format, step, parameter shapes, and what the caller adds (model, strategy, cluster,
           data position), read first so that a checkpoint of another model fails with a clear error
 
@@ -33,6 +35,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
+from amsp_jax.sharding import unpad
 from amsp_jax.step import Trainer, TrainState
 
 FORMAT = "amsp_jax/1"
@@ -209,8 +212,12 @@ class Checkpointer:
             "rng": np.zeros(jax.random.key_data(jax.random.key(0)).shape, np.uint32),
         }
         try:
+            # Not strict: leaves whose split dimension does not divide are stored padded with zeros at
+            # the end, by as much as the plan's largest group needs; another plan pads another amount
+            # (or another dimension), and Orbax's truncation or zero padding of the saved array is
+            # exactly that change. The checks above already matched every leaf's real shape.
             restored = self._open().restore(
-                step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)})
+                step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target, strict=False)})
             )[STATE]
         except Exception as error:
             raise self._damaged(step, error) from error
@@ -262,7 +269,8 @@ def load_params(checkpoint_dir: str | Path, step: int | None = None) -> dict[str
     device count is needed: only the master weights are read, whole, whatever plan wrote them.
     """
     directory = checkpoint_directory(checkpoint_dir)
-    step = saved_meta(directory, step)["step"]
+    meta = saved_meta(directory, step)
+    step = meta["step"]
     # The state was written by Orbax's standard handler, whose files the PyTree handler reads; it
     # gives the saved tree's metadata and restores the master weights alone (partial_restore).
     handlers = {STATE: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
@@ -281,7 +289,15 @@ def load_params(checkpoint_dir: str | Path, step: int | None = None) -> dict[str
         raise Checkpointer(directory)._damaged(step, error) from error
     finally:
         manager.close()
-    return jax.tree.map(lambda x: np.asarray(x, np.float32), restored[STATE]["master"])
+    # Padded leaves (see `Checkpointer.restore`) are cut back to the shapes the metadata records.
+    flat = traverse_util.flatten_dict(flax.core.unfreeze(restored[STATE]["master"]))
+    shapes = meta["param_shapes"]
+    return traverse_util.unflatten_dict(
+        {
+            path: unpad(np.asarray(x, np.float32), shapes.get("/".join(map(str, path)), np.shape(x)))
+            for path, x in flat.items()
+        }
+    )
 
 
 def write_params(params: Any, path: str | Path, metadata: dict[str, Any] | None = None) -> Path:

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from amsp_jax.schedule import ALL_GATHER, REDUCE_SCATTER, Op
-from amsp_jax.sharding import AxisPlan
+from amsp_jax.schedule import ALL_GATHER, REDUCE_SCATTER, LeafSchedule, Op
+from amsp_jax.sharding import AxisPlan, pad, unpad
 
 
 def execute(x: jax.Array, ops: Sequence[Op], replicated: bool = False) -> jax.Array:
@@ -54,22 +54,27 @@ def mark_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def gather_weights(layout: AxisPlan, p_block: jax.Array, gather_ops: Sequence[Op]) -> jax.Array:
-    """The full leaf from this device's P block (typed varying over every axis, like the batch it meets).
+def gather_weights(layout: AxisPlan, p_block: jax.Array, leaf: LeafSchedule) -> jax.Array:
+    """The full leaf (one layer of a stacked one) from this device's P block, its padding cut off, typed
+    varying over every axis like the batch it meets.
 
     Without that typing, autodiff would insert a hidden psum of the cotangent over the axes P is
     replicated on.
     """
-    return mark_varying(execute(p_block, gather_ops), layout.all_axes)
+    full = unpad(execute(p_block, leaf.gather), leaf.gathered_shape)
+    return mark_varying(full, layout.all_axes)
 
 
-def reduce_gradient(cotangent: jax.Array, reduce_ops: Sequence[Op], reduce_dtype: jnp.dtype) -> jax.Array:
-    """This device's fp32 G block of a full-leaf gradient: the reduce-scatters onto G in `reduce_dtype`."""
-    return execute(cotangent.astype(reduce_dtype), reduce_ops).astype(jnp.float32)
+def reduce_gradient(cotangent: jax.Array, leaf: LeafSchedule, reduce_dtype: jnp.dtype) -> jax.Array:
+    """This device's fp32 G block of a full-leaf gradient: padded with zeros (so the padding's gradient,
+    and with it every optimizer statistic, is exactly zero), then reduce-scattered onto G in
+    `reduce_dtype`."""
+    padded = pad(cotangent.astype(reduce_dtype), leaf.gathered_padded)
+    return execute(padded, leaf.grad_reduce).astype(jnp.float32)
 
 
 def make_gather(
-    layout: AxisPlan, gather_ops: Sequence[Op], reduce_ops: Sequence[Op], reduce_dtype: jnp.dtype
+    layout: AxisPlan, leaf: LeafSchedule, reduce_dtype: jnp.dtype
 ) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """`gather(p_block, g_sink) -> full leaf` whose gradient lands in `g_sink`, reduce-scattered over G.
 
@@ -80,14 +85,13 @@ def make_gather(
     @jax.custom_vjp
     def gather(p_block: jax.Array, g_sink: jax.Array) -> jax.Array:
         del g_sink
-        return gather_weights(layout, p_block, gather_ops)
+        return gather_weights(layout, p_block, leaf)
 
     def forward(p_block: jax.Array, g_sink: jax.Array) -> tuple[jax.Array, None]:
         return gather(p_block, g_sink), None
 
     def backward(_: None, cotangent: jax.Array) -> tuple[None, jax.Array]:
-        return None, reduce_gradient(cotangent, reduce_ops, reduce_dtype)
+        return None, reduce_gradient(cotangent, leaf, reduce_dtype)
 
     gather.defvjp(forward, backward)
     return gather
-

@@ -325,14 +325,15 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
         params += _block_elements(axes, split, "params") * p_bytes
         grads += _block_elements(axes, split, "grads") * FP32
         master += _block_elements(axes, split, "opt_state") * FP32
+        stored = math.prod(split.padded)
         if leaf.per_layer if leaf.per_layer is not None else leaf.stacked:
             # One layer's share: a stacked leaf holds every layer; blocks gathered call by call (a
             # loop of equal blocks) are counted as the same share of all of them.
             layers = leaf.shape[0] if leaf.stacked else workload.dims.n_layers
-            layer_full += leaf.size // layers * gathered_bytes
+            layer_full += stored // layers * gathered_bytes
             layer_sharded += _block_elements(axes, split, "params") // layers * gathered_bytes
         else:
-            gathered_other += (leaf.size - _block_elements(axes, split, "params")) * gathered_bytes
+            gathered_other += (stored - _block_elements(axes, split, "params")) * gathered_bytes
     opt_state = master // FP32 * workload.opt_state_bytes_per_param
     kept, full_layer = activation_bytes(workload)
     layers = workload.dims.n_layers

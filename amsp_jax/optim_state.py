@@ -77,7 +77,7 @@ def leaf_spec(param: LeafLayout | None, shape: tuple[int, ...], component: str =
     if param is None or param.dim is None:
         return P()
     axes = param.specs[component][param.dim]
-    target = surviving_dim(param.shape, param.dim, shape)
+    target = surviving_dim(param.padded, param.dim, shape)
     if axes is None or target is None:
         return P()
     entries: list[Any] = [None] * len(shape)

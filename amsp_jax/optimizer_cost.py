@@ -128,7 +128,7 @@ def update_ops(
 def _adafactor_ops(
     build: _Builder, group_axes: tuple[str, ...], split: LeafLayout, dims: tuple[int, int]
 ) -> list[Op]:
-    shape, d = split.shape, split.dim
+    shape, d = split.padded, split.dim  # the update runs on the stored (padded) leaf
     d1, d0 = dims
     if d not in (d0, d1):
         return []
@@ -148,7 +148,7 @@ def _adafactor_ops(
 
 
 def _muon_ops(build: _Builder, group_axes: tuple[str, ...], split: LeafLayout, leaf: MuonLeaf) -> list[Op]:
-    shape, d = split.shape, split.dim
+    shape, d = split.padded, split.dim  # the update runs on the stored (padded) leaf
     k = build.axes.size(group_axes)
     size = math.prod(shape)
     b = math.prod(shape[i] for i in leaf.batch)

@@ -196,6 +196,16 @@ class LeafSchedule:
         """Layers of a stacked leaf (1 otherwise)."""
         return self.split.shape[0] if self.stacked else 1
 
+    @property
+    def gathered_shape(self) -> tuple[int, ...]:
+        """The shape the model sees of one gather: the leaf, or one layer of a stacked leaf."""
+        return self.split.shape[int(self.stacked) :]
+
+    @property
+    def gathered_padded(self) -> tuple[int, ...]:
+        """The stored shape of one gather (what the collectives move)."""
+        return self.split.padded[int(self.stacked) :]
+
     def ops(self) -> tuple[Op, ...]:
         """Every op of this leaf, in step order."""
         return self.gather + self.regather + self.grad_reduce + self.reduction + self.refresh
@@ -226,12 +236,12 @@ def leaf_schedule(
     """
     split = leaf_layout(axes, shape, stacked)
     build = _Builder(axes, implementation.hierarchical)
-    size = math.prod(shape)
+    size = math.prod(split.padded)  # what moves is the stored (padded) leaf
     layers = shape[0] if stacked else 1
     layer_size = size // layers
     all_axes = axes.all_axes
     if split.dim is None:
-        # A leaf no dimension of can be split stays whole everywhere: only its gradient is summed.
+        # A leaf with nothing to split (a scalar) stays whole everywhere: only its gradient is summed.
         reduction = build.all_reduce(REDUCTION, all_axes, size, reduce_itemsize, 1)
         return LeafSchedule(tuple(path), split, stacked, (), (), (), tuple(reduction), (), (), False)
     dim = split.dim - int(stacked)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
@@ -135,35 +137,57 @@ def make_layout(cluster: Cluster, strategy: Strategy, devices: Sequence[jax.Devi
 
 @dataclasses.dataclass(frozen=True)
 class LeafLayout:
-    """How one parameter leaf is split: the dimension (or None: replicated) and each component's spec."""
+    """How one parameter leaf is split: the dimension (or None: whole everywhere), each component's spec,
+    and the stored shape: `shape` with the split dimension padded up to a multiple of the largest group.
+
+    Padding is zeros at the end of the split dimension, kept only where the leaf is stored and moved
+    (P, G and OS blocks, their collectives); the model, the user's parameters and checkpoints see
+    `shape`.
+    """
 
     shape: tuple[int, ...]
     dim: int | None
     specs: dict[str, P]
+    padded: tuple[int, ...]
+
+    @property
+    def is_padded(self) -> bool:
+        """Whether the stored shape is larger than the leaf."""
+        return self.padded != self.shape
 
     def block_shape(self, layout: AxisPlan, component: str) -> tuple[int, ...]:
         """The shape of one device's block of this leaf under `component`'s placement."""
         if self.dim is None:
             return self.shape
-        shape = list(self.shape)
+        shape = list(self.padded)
         shape[self.dim] //= layout.size(layout.axes(component))
         return tuple(shape)
 
 
+def padded_size(size: int, degree: int) -> int:
+    """`size` rounded up to a multiple of `degree`."""
+    return -(-size // degree) * degree
+
+
 def shard_dim(shape: Sequence[int], degree: int, stacked: bool) -> int | None:
-    """The largest dimension divisible by `degree` (never a stacked-layer dimension), or None."""
-    if degree == 1:
-        return None
+    """The dimension to split `degree` ways (never a stacked-layer dimension), or None (nothing to split).
+
+    The one needing the fewest padded elements; among equals (e.g. several that divide) the largest.
+    """
     first = 1 if stacked else 0
-    best = None
-    for dim in range(first, len(shape)):
-        if shape[dim] % degree == 0 and (best is None or shape[dim] > shape[best]):
-            best = dim
-    return best
+    if degree == 1 or len(shape) <= first:
+        return None
+    size = math.prod(shape)
+
+    def padding(dim: int) -> int:
+        return (padded_size(shape[dim], degree) - shape[dim]) * (size // shape[dim] if shape[dim] else 0)
+
+    return min(range(first, len(shape)), key=lambda dim: (padding(dim), -shape[dim], dim))
 
 
 def leaf_layout(layout: AxisPlan, shape: Sequence[int], stacked: bool) -> LeafLayout:
-    """Split of one leaf: every component on the same dimension, smaller groups' axes first."""
+    """Split of one leaf: every component on the same dimension, smaller groups' axes first, padded to
+    the largest group."""
     degree = max(layout.size(layout.axes(c)) for c in COMPONENTS)
     dim = shard_dim(shape, degree, stacked)
     specs = {}
@@ -173,7 +197,25 @@ def leaf_layout(layout: AxisPlan, shape: Sequence[int], stacked: bool) -> LeafLa
         if axes:
             entries[dim] = axes if len(axes) > 1 else axes[0]
         specs[comp] = P(*entries)
-    return LeafLayout(tuple(shape), dim, specs)
+    padded = list(shape)
+    if dim is not None:
+        padded[dim] = padded_size(shape[dim], degree)
+    return LeafLayout(tuple(shape), dim, specs, tuple(padded))
+
+
+def pad(x: Any, padded: Sequence[int]) -> Any:
+    """`x` (numpy or JAX) with zeros appended up to the stored shape `padded`."""
+    widths = [(0, p - s) for s, p in zip(x.shape, padded, strict=True)]
+    if not any(w for _, w in widths):
+        return x
+    return np.pad(x, widths) if isinstance(x, np.ndarray) else jnp.pad(x, widths)
+
+
+def unpad(x: Any, shape: Sequence[int]) -> Any:
+    """`x` cut back from its stored shape to the leaf's `shape` (the leading corner)."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    return x[tuple(slice(0, s) for s in shape)]
 
 
 def batch_spec(layout: Layout, ndim: int) -> P:

@@ -11,6 +11,7 @@ Data flow of one step, all in one `jit`:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,7 @@ from amsp_jax.layers import Chain, LayerContext, Layers, StackOps, find_layers, 
 from amsp_jax.plan import Plan
 from amsp_jax.schedule import LeafSchedule, Schedule
 from amsp_jax.schedule import build as build_schedule
-from amsp_jax.sharding import Layout, LeafLayout, batch_spec, leaf_layout, make_layout
+from amsp_jax.sharding import Layout, LeafLayout, batch_spec, leaf_layout, make_layout, pad, unpad
 from amsp_jax.xla import compiler_options
 
 Path = tuple[str, ...]
@@ -86,6 +87,20 @@ class ParamLayout:
     def replicated(self) -> list[Path]:
         """Leaves that no dimension of could be split, so every component keeps them whole."""
         return [p for p, leaf in self.leaves.items() if leaf.dim is None]
+
+    def padding(self) -> str | None:
+        """The padded leaves in words (how many, the extra stored elements, the first names), or None."""
+        padded = [p for p, leaf in self.leaves.items() if leaf.is_padded]
+        if not padded:
+            return None
+        real = sum(math.prod(leaf.shape) for leaf in self.leaves.values())
+        extra = sum(math.prod(self.leaves[p].padded) - math.prod(self.leaves[p].shape) for p in padded)
+        names = ", ".join("/".join(map(str, p)) for p in padded[:4])
+        more = f" (+{len(padded) - 4} more)" if len(padded) > 4 else ""
+        return (
+            f"{len(padded)} leaves have no dimension divisible by the group and are stored padded to split "
+            f"evenly ({extra / real:.2%} more elements): {names}{more}"
+        )
 
     def tree(self, fn: Callable[[Path, LeafLayout], Any]) -> Any:
         """A params-shaped tree of `fn(path, leaf)`."""
@@ -209,7 +224,7 @@ class Trainer:
 
     def _abstract_master(self) -> Any:
         assert self.params_layout is not None, "call init() first"
-        return self.params_layout.tree(lambda _, leaf: jax.ShapeDtypeStruct(leaf.shape, jnp.float32))
+        return self.params_layout.tree(lambda _, leaf: jax.ShapeDtypeStruct(leaf.padded, jnp.float32))
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state, for restoring a checkpoint onto this plan."""
@@ -247,8 +262,10 @@ class Trainer:
         """Pure and jit-able: the initial state from `key` (after `setup`), laid out on the plan's
         shardings. Under your own `jit`, pass `out_shardings=trainer.state_shardings()`."""
         assert self.params_layout is not None, "call setup(key, *example_inputs) first"
-        params = self.model.init(key, *self._example_inputs)["params"]
-        state = self._fresh_state(jax.tree.map(lambda x: x.astype(jnp.float32), params))
+        params = _flatten(self.model.init(key, *self._example_inputs)["params"])
+        leaves = self.params_layout.leaves
+        master = {p: pad(x.astype(jnp.float32), leaves[p].padded) for p, x in params.items()}
+        state = self._fresh_state(traverse_util.unflatten_dict(master))
         return jax.lax.with_sharding_constraint(state, self.state_shardings())
 
     def step_fn(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -282,7 +299,10 @@ class Trainer:
                 "of the model this Trainer trains (same config)"
             )
         shardings = self.state_shardings()
-        host = traverse_util.unflatten_dict({p: np.asarray(flat[p], np.float32) for p in expected})
+        leaves = self.params_layout.leaves
+        host = traverse_util.unflatten_dict(
+            {p: pad(np.asarray(flat[p], np.float32), leaves[p].padded) for p in expected}
+        )
         master = jax.device_put(host, shardings.master)
         return jax.jit(self._fresh_state, out_shardings=shardings)(master)
 
@@ -310,8 +330,10 @@ class Trainer:
 
     def full_params(self, state: TrainState) -> Any:
         """The full fp32 master parameters as host numpy arrays (every process gets them all)."""
+        assert self.params_layout is not None, "call init() first"
         gathered = jax.jit(lambda m: m, out_shardings=NamedSharding(self.layout.mesh, P()))(state.master)
-        return jax.tree.map(np.asarray, gathered)
+        flat = _flatten(gathered)
+        return self.params_layout.tree(lambda path, leaf: unpad(np.asarray(flat[path]), leaf.shape))
 
     # ---- the step ----------------------------------------------------------------------------------
 
@@ -347,7 +369,7 @@ class Trainer:
         remat, policy = plan.remat_policy()
 
         def gather_fn(leaf: LeafSchedule) -> Callable[[jax.Array, jax.Array], jax.Array]:
-            return collectives.make_gather(layout, leaf.gather, leaf.grad_reduce, reduce_dtype)
+            return collectives.make_gather(layout, leaf, reduce_dtype)
 
         def per_leaf(fn: Callable[..., jax.Array], leaves: dict[Path, LeafSchedule]) -> Callable[..., Any]:
             def apply(*trees: Any) -> Any:
@@ -364,10 +386,10 @@ class Trainer:
             return StackOps(
                 gather_with_sink=per_leaf(lambda g, block, sink: g(block, sink), gathers),
                 gather=per_leaf(
-                    lambda leaf, block: collectives.gather_weights(layout, block, leaf.gather), inner
+                    lambda leaf, block: collectives.gather_weights(layout, block, leaf), inner
                 ),
                 reduce=per_leaf(
-                    lambda leaf, grad: collectives.reduce_gradient(grad, leaf.grad_reduce, reduce_dtype),
+                    lambda leaf, grad: collectives.reduce_gradient(grad, leaf, reduce_dtype),
                     inner,
                 ),
             ), inner
@@ -527,7 +549,7 @@ class Trainer:
         grads, loss, metrics = self._gradients(state.params, batch, state.step)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.master)
-        master = optax.apply_updates(state.master, updates)
+        master = self._zero_padding(optax.apply_updates(state.master, updates))
         # As optax.apply_if_finite: a non-finite loss or gradient leaves master and optimizer state as
         # they were (a select, so the state keeps its structure and checkpoints); the step still counts.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -536,6 +558,23 @@ class Trainer:
         opt_state = jax.tree.map(keep, opt_state, state.opt_state)
         new_state = TrainState(state.step + 1, self._refresh(master), master, opt_state)
         return new_state, {**metrics, "loss": loss, "grad_norm": grad_norm}
+
+    def _zero_padding(self, master: Any) -> Any:
+        """`master` with the padding of padded leaves set to zero: their gradient there is already zero,
+        so this only pins transforms that move a parameter without a gradient (noise, decoupled decay of
+        a nonzero value) and keeps the padding out of every later statistic."""
+        pl = self.params_layout
+        assert pl is not None
+
+        def zero(path: Path, x: jax.Array) -> jax.Array:
+            leaf = pl.leaves[path]
+            if not leaf.is_padded:
+                return x
+            inside = jax.lax.broadcasted_iota(jnp.int32, x.shape, leaf.dim) < leaf.shape[leaf.dim]
+            return jnp.where(inside, x, jnp.zeros_like(x))
+
+        flat = _flatten(master)
+        return traverse_util.unflatten_dict({p: zero(p, x) for p, x in flat.items()})
 
     def check_batch(self, batch: Any) -> None:
         """Raise a clear error when the global batch does not split into devices × micro-batches."""
@@ -605,7 +644,7 @@ class Trainer:
         per_group: dict[Path | None, int] = {}
         for path, leaf in pl.leaves.items():
             stack = pl.stack_of(path) or pl.block_of(path)
-            elements = int(np.prod(leaf.shape)) // (leaf.shape[0] if stack else 1)
+            elements = int(np.prod(leaf.padded)) // (leaf.shape[0] if stack else 1)
             per_group[stack] = per_group.get(stack, 0) + elements * itemsize
         return max(per_group.values(), default=0)
 
@@ -633,12 +672,13 @@ class Trainer:
                 "class), so every parameter is gathered once per step and stays gathered (memory of the "
                 "full P); name the block classes with Trainer(..., layers=(Block,))"
             )
+        sharded = any(self.layout.axes(c) for c in ("params", "grads", "opt_state"))
         replicated = pl.replicated()
-        if replicated and any(self.layout.axes(c) for c in ("params", "grads", "opt_state")):
+        if replicated and sharded:
             names = ", ".join("/".join(map(str, p)) for p in replicated)
-            lines.append(
-                f"replicated  {len(replicated)} leaves have no dimension divisible by the group: {names}"
-            )
+            lines.append(f"replicated  {len(replicated)} leaves have no dimension to split: {names}")
+        if pl.padding():
+            lines.append(f"padded      {pl.padding()}")
         return "\n".join(lines)
 
     def step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:

@@ -184,7 +184,7 @@ class PlainMLP(nn.Module):
     def __call__(self, x):
         x = nn.Dense(64)(x)
         x = nn.Dense(48)(jax.nn.gelu(x))
-        return nn.Dense(3)(jax.nn.gelu(x))  # its (3,) bias has no dimension that splits 8 ways
+        return nn.Dense(3)(jax.nn.gelu(x))  # its (3,) bias is padded to (8,) to split 8 ways
 
 
 def test_model_without_layer_stack_gathers_the_whole_tree_and_matches():
@@ -218,8 +218,10 @@ def test_model_without_layer_stack_gathers_the_whole_tree_and_matches():
     description = trainer.describe()
     assert trainer.params_layout.stacks == ()
     assert "whole tree" in description
-    assert trainer.params_layout.replicated() == [("Dense_2", "bias")]
-    assert "Dense_2/bias" in description
+    assert trainer.params_layout.replicated() == []
+    padded = {p: leaf.padded for p, leaf in trainer.params_layout.leaves.items() if leaf.is_padded}
+    assert padded == {("Dense_2", "bias"): (8,)}
+    assert "padded      1 leaves" in description and "Dense_2/bias" in description
 
 
 @pytest.mark.parametrize("strategy", ["zero3", "p=2x1,g=4x1,os=4x2"])
