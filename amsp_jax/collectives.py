@@ -65,16 +65,18 @@ def gather_weights(layout: AxisPlan, p_block: jax.Array, leaf: LeafSchedule) -> 
     return mark_varying(full, layout.all_axes)
 
 
-def reduce_gradient(cotangent: jax.Array, leaf: LeafSchedule, reduce_dtype: jnp.dtype) -> jax.Array:
-    """This device's fp32 G block of a full-leaf gradient: padded with zeros (so the padding's gradient,
-    and with it every optimizer statistic, is exactly zero), then reduce-scattered onto G in
-    `reduce_dtype`."""
+def reduce_gradient(
+    cotangent: jax.Array, leaf: LeafSchedule, reduce_dtype: jnp.dtype, grad_dtype: jnp.dtype
+) -> jax.Array:
+    """This device's G block (in `grad_dtype`) of a full-leaf gradient: padded with zeros (so the
+    padding's gradient, and with it every optimizer statistic, is exactly zero), then reduce-scattered
+    onto G in `reduce_dtype`."""
     padded = pad(cotangent.astype(reduce_dtype), leaf.gathered_padded)
-    return execute(padded, leaf.grad_reduce).astype(jnp.float32)
+    return execute(padded, leaf.grad_reduce).astype(grad_dtype)
 
 
 def make_gather(
-    layout: AxisPlan, leaf: LeafSchedule, reduce_dtype: jnp.dtype
+    layout: AxisPlan, leaf: LeafSchedule, reduce_dtype: jnp.dtype, grad_dtype: jnp.dtype
 ) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """`gather(p_block, g_sink) -> full leaf` whose gradient lands in `g_sink`, reduce-scattered over G.
 
@@ -91,7 +93,7 @@ def make_gather(
         return gather(p_block, g_sink), None
 
     def backward(_: None, cotangent: jax.Array) -> tuple[None, jax.Array]:
-        return None, reduce_gradient(cotangent, leaf, reduce_dtype)
+        return None, reduce_gradient(cotangent, leaf, reduce_dtype, grad_dtype)
 
     gather.defvjp(forward, backward)
     return gather

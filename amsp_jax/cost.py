@@ -23,6 +23,8 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 
+import jax.numpy as jnp
+
 from amsp_jax import schedule
 from amsp_jax.optimizer_cost import ELEMENT_WISE, OptimizerUpdate, update_ops
 from amsp_jax.plan import Precision
@@ -318,12 +320,13 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
     """Per-device memory of one step: model states, gathered weights, activations, temporaries."""
     p_bytes = workload.precision.param_bytes
     gathered_bytes = workload.wire_bytes(p_bytes)
+    g_bytes = jnp.dtype(schedule.grad_dtype(workload.micro_batches, workload.precision.reduce_dtype)).itemsize
     params = grads = master = gathered_other = 0
     layer_full = layer_sharded = 0
     for leaf in workload.leaves:
         split = schedule_leaf(axes, workload, leaf).split
         params += _block_elements(axes, split, "params") * p_bytes
-        grads += _block_elements(axes, split, "grads") * FP32
+        grads += _block_elements(axes, split, "grads") * g_bytes
         master += _block_elements(axes, split, "opt_state") * FP32
         stored = math.prod(split.padded)
         if leaf.per_layer if leaf.per_layer is not None else leaf.stacked:

@@ -188,7 +188,8 @@ class Terms:
     update: dict[tuple[Placement, Placement], float]  # (OS, largest group): the update's collectives
     p_memory: dict[tuple[Placement, int, str], float]
     prefetch_memory: dict[tuple[Placement, int], float]
-    g_memory: dict[tuple[Placement, int], float]
+    g_memory: dict[tuple[Placement, int], float]  # G with an accumulator (fp32), one of two copies
+    g_single_memory: dict[tuple[Placement, int], float]  # G with one micro-batch (the reduce dtype)
     os_memory: dict[tuple[Placement, int], float]
     activations: dict[tuple[int, str], float]
     compute: dict[tuple[int, str], timing.Compute]
@@ -242,7 +243,7 @@ class Terms:
         total = (
             self.p_memory[(s.params, pi, r)]
             + (self.prefetch_memory[(s.params, pi)] if self.request.prefetches(m, r) else 0.0)
-            + self.g_memory[(s.grads, pi)] * (2 if accumulates(m) else 1)
+            + (2 * self.g_memory[(s.grads, pi)] if accumulates(m) else self.g_single_memory[(s.grads, pi)])
             + self.os_memory[(s.opt_state, pi)]
             + self.activations[(b, r)]
         )
@@ -326,11 +327,11 @@ def build_terms(request: Request) -> Terms:
     # Memory: Memory fields of probes whose largest group has profile π.
     remats = tuple(r for r in REMAT_POLICIES if r in request.remats)
     # Memory probes use two micro-batches (no prefetch loop, a gradient accumulator); where the
-    # schedule has no accumulator G counts once, and the prefetch loop's extra gathered layer is the
-    # difference of one micro-batch with and without it.
+    # schedule has no accumulator G counts once (one micro-batch's probe: in the reduce dtype), and the
+    # prefetch loop's extra gathered layer is the difference of one micro-batch with and without it.
     p_memory: dict[tuple[Placement, int, str], float] = {}
     prefetch_memory: dict[tuple[Placement, int], float] = {}
-    g_memory, os_memory, optimizer = {}, {}, {}
+    g_memory, g_single_memory, os_memory, optimizer = {}, {}, {}, {}
     workloads = {r: request.workload(micro_batches=2, remat=r) for r in remats}
     looped = request.workload(micro_batches=1, remat="full")
     looped = looped.with_(implementation=dataclasses.replace(request.implementation, prefetch=True))
@@ -340,10 +341,12 @@ def build_terms(request: Request) -> Terms:
         as_p = {r: memory(axes, workloads[r]) for r in remats}
         for r, mem in as_p.items():
             p_memory[(x, pi, r)] = float(mem.params + mem.gathered)
-        prefetch_memory[(x, pi)] = float(memory(axes, looped).gathered - memory(axes, scanned).gathered)
+        single = memory(axes, looped)
+        prefetch_memory[(x, pi)] = float(single.gathered - memory(axes, scanned).gathered)
         first = as_p[remats[0]]
         p_memory[(x, pi, "params only")] = float(first.params)
         g_memory[(x, pi)] = float(first.grads)  # one micro-batch's gradient; the accumulator doubles it
+        g_single_memory[(x, pi)] = float(single.grads)
         as_os = memory(plan_axes(cluster, Strategy(t, t, x)), workloads[remats[0]])
         os_memory[(x, pi)] = float(2 * as_os.master + as_os.opt_state)  # master, moments, the update
         optimizer[(x, pi)] = timing.optimizer_time(as_os, base.precision.param_bytes, hardware)
@@ -379,6 +382,7 @@ def build_terms(request: Request) -> Terms:
         p_memory=p_memory,
         prefetch_memory=prefetch_memory,
         g_memory=g_memory,
+        g_single_memory=g_single_memory,
         os_memory=os_memory,
         activations=activations,
         compute=compute,
@@ -506,10 +510,10 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
     # Memory (GiB, for the solver's tolerances), remat-dependent P memory through z·ρ products.
     base_r = terms.remats[0]
     mem = total(terms.p_memory[(q, pi, base_r)] / GIB * z[("P", q, pi)] for q, pi in terms.possible)
-    mem += total(terms.g_memory[(q, pi)] / GIB * z[("G", q, pi)] for q, pi in terms.possible)
+    mem += total(terms.g_single_memory[(q, pi)] / GIB * z[("G", q, pi)] for q, pi in terms.possible)
     mem += total(terms.os_memory[(q, pi)] / GIB * z[("OS", q, pi)] for q, pi in terms.possible)
     mem += total(terms.activations[k] / GIB * w[k] for k in w)
-    # The schedule's rules as products of binaries: G counts twice with an accumulator, and the
+    # The schedule's rules as products of binaries: G counts twice in fp32 with an accumulator, and the
     # prefetch loop holds one more gathered layer for the (batching, remat) pairs that run it.
     micro = dict(terms.batchings)
     no_accumulator = total(mb[b] for b, m in terms.batchings if not accumulates(m))
@@ -517,7 +521,8 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
     for q, pi in terms.possible:
         accumulator = product(f"acc_{q}_{pi}")
         prob += accumulator >= z[("G", q, pi)] - no_accumulator
-        mem += terms.g_memory[(q, pi)] / GIB * accumulator
+        # With an accumulator G is two fp32 copies in place of one in the reduce dtype.
+        mem += (2 * terms.g_memory[(q, pi)] - terms.g_single_memory[(q, pi)]) / GIB * accumulator
         if terms.prefetch_memory[(q, pi)]:
             held = product(f"pf_{q}_{pi}")
             prob += held >= z[("P", q, pi)] + prefetching - 1

@@ -9,7 +9,7 @@ rules that decide what runs are here and nowhere else:
 
   - `uses_prefetch`: whether a layer stack runs the explicit-prefetch loop or the checkpointed scan;
   - `accumulates`: whether the step keeps an fp32 gradient accumulator (only with several
-    micro-batches);
+    micro-batches), and `grad_dtype`: G held in the reduce dtype without one;
   - how a collective over axes that span nodes is issued (`Implementation.hierarchical`): split into
     runs of intra- and inter-node axes (a reduce-scatter intra first, an all-gather inter first, an
     all-reduce as reduce-scatter / all-reduce / all-gather), or flat over the whole group;
@@ -61,6 +61,13 @@ def uses_prefetch(micro_batches: int, remat: str, layers: int, prefetch: bool | 
 def accumulates(micro_batches: int) -> bool:
     """Whether the step keeps an fp32 G accumulator: with one micro-batch the gradient is the sum."""
     return micro_batches > 1
+
+
+def grad_dtype(micro_batches: int, reduce_dtype: str) -> str:
+    """The dtype of the G block a device holds: fp32 when micro-batches accumulate into it; with one
+    micro-batch the gradient reduce-scatter's output is the gradient, kept in its own (e.g. bf16) dtype,
+    which halves G's memory and loses nothing (a wider copy of a bf16 sum holds no more)."""
+    return "float32" if accumulates(micro_batches) else reduce_dtype
 
 
 @dataclasses.dataclass(frozen=True)

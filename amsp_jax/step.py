@@ -29,7 +29,7 @@ from amsp_jax import collectives, optim_state
 from amsp_jax.errors import AmspError, one_line
 from amsp_jax.layers import Chain, LayerContext, Layers, StackOps, find_layers, layer_context, linen_blocks
 from amsp_jax.plan import Plan
-from amsp_jax.schedule import LeafSchedule, Schedule
+from amsp_jax.schedule import LeafSchedule, Schedule, grad_dtype
 from amsp_jax.schedule import build as build_schedule
 from amsp_jax.sharding import Layout, LeafLayout, batch_spec, leaf_layout, make_layout, pad, unpad
 from amsp_jax.xla import compiler_options
@@ -366,10 +366,11 @@ class Trainer:
         layout, pl, plan, schedule = self.layout, self.params_layout, self.plan, self.schedule
         assert pl is not None
         reduce_dtype = jnp.dtype(plan.precision.reduce_dtype)
+        grad_dtype = self._grad_dtype()
         remat, policy = plan.remat_policy()
 
         def gather_fn(leaf: LeafSchedule) -> Callable[[jax.Array, jax.Array], jax.Array]:
-            return collectives.make_gather(layout, leaf, reduce_dtype)
+            return collectives.make_gather(layout, leaf, reduce_dtype, grad_dtype)
 
         def per_leaf(fn: Callable[..., jax.Array], leaves: dict[Path, LeafSchedule]) -> Callable[..., Any]:
             def apply(*trees: Any) -> Any:
@@ -389,7 +390,7 @@ class Trainer:
                     lambda leaf, block: collectives.gather_weights(layout, block, leaf), inner
                 ),
                 reduce=per_leaf(
-                    lambda leaf, grad: collectives.reduce_gradient(grad, leaf, reduce_dtype),
+                    lambda leaf, grad: collectives.reduce_gradient(grad, leaf, reduce_dtype, grad_dtype),
                     inner,
                 ),
             ), inner
@@ -436,13 +437,18 @@ class Trainer:
 
         return micro_loss
 
+    def _grad_dtype(self) -> jnp.dtype:
+        """The dtype G is held in (`schedule.grad_dtype`)."""
+        return jnp.dtype(grad_dtype(self.plan.micro_batches, self.plan.precision.reduce_dtype))
+
     def _sinks(self, blocks: dict[Path, jax.Array]) -> dict[Path, jax.Array]:
-        """Zero fp32 G blocks, typed varying over every axis like the gradients that land in them."""
+        """Zero G blocks, typed varying over every axis like the gradients that land in them."""
         pl = self.params_layout
         assert pl is not None
+        dtype = self._grad_dtype()
         return {
             p: collectives.mark_varying(
-                jnp.zeros(pl.leaves[p].block_shape(self.layout, "grads"), jnp.float32), self.layout.all_axes
+                jnp.zeros(pl.leaves[p].block_shape(self.layout, "grads"), dtype), self.layout.all_axes
             )
             for p in blocks
         }
