@@ -1,4 +1,5 @@
 # The two set-up commands of the README: each makes .venv when missing, installs the project, and runs.
+# Tests run in two worker processes (pytest-xdist): XLA compiles on one core, so two keep CI's two busy.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -13,7 +14,7 @@ $(STAMP): pyproject.toml
 .PHONY: test demo
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2
 
 demo: $(STAMP)
 	$(BIN)/amsp-jax train --config configs/train/demo.yaml
