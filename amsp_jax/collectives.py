@@ -7,7 +7,7 @@ split into intra- and inter-node runs); this module only issues them, in order, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,14 +38,19 @@ def execute(x: jax.Array, ops: Sequence[Op], replicated: bool = False) -> jax.Ar
     return x.reshape(saved_shape) if saved_shape is not None else x
 
 
-def local_slice(layout: AxisPlan, x: jax.Array, axes: Sequence[str], dim: int) -> jax.Array:
-    """This device's block of `x` along `dim` when split over `axes` (major first): no communication."""
-    count = layout.size(axes)
-    index = jnp.zeros((), jnp.int32)
-    for axis in axes:
-        index = index * layout.axis_size(axis) + jax.lax.axis_index(axis)
-    block = x.shape[dim] // count
-    return jax.lax.dynamic_slice_in_dim(x, index * block, block, axis=dim)
+def local_slice(layout: AxisPlan, x: jax.Array, dims: Mapping[str, int]) -> jax.Array:
+    """This device's block of `x` when each axis of `dims` (major first) splits its dimension: no
+    communication."""
+    by_dim: dict[int, list[str]] = {}
+    for axis, dim in dims.items():
+        by_dim.setdefault(dim, []).append(axis)
+    for dim, axes in by_dim.items():
+        index = jnp.zeros((), jnp.int32)
+        for axis in axes:
+            index = index * layout.axis_size(axis) + jax.lax.axis_index(axis)
+        block = x.shape[dim] // layout.size(axes)
+        x = jax.lax.dynamic_slice_in_dim(x, index * block, block, axis=dim)
+    return x
 
 
 def mark_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:

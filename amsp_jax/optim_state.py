@@ -6,8 +6,8 @@ state leaf is matched to its parameter by key path (the parameter's path appears
 keys in the leaf's path), and then one rule places it:
 
 - shaped like its parameter: the parameter's OS `PartitionSpec`;
-- another shape (adafactor's factored moments, a reduced statistic): split along the parameter's
-  split dimension if that dimension survives in the leaf (same size, same order of the remaining
+- another shape (adafactor's factored moments, a reduced statistic): split along each of the
+  parameter's split dimensions that survives in the leaf (same size, same order of the remaining
   dimensions), otherwise whole on every device;
 - no parameter (step counters, injected hyper-parameters, Newton-Schulz coefficients): whole.
 
@@ -76,13 +76,13 @@ def leaf_spec(param: LeafLayout | None, shape: tuple[int, ...], component: str =
     """The rule: where a state leaf of `shape` belonging to `param` (or to none) is placed."""
     if param is None or param.dim is None:
         return P()
-    axes = param.specs[component][param.dim]
-    target = surviving_dim(param.padded, param.dim, shape)
-    if axes is None or target is None:
-        return P()
+    spec = param.specs[component]
     entries: list[Any] = [None] * len(shape)
-    entries[target] = axes
-    return P(*entries)
+    for dim in (param.dim, param.minor_dim):
+        target = None if dim is None or spec[dim] is None else surviving_dim(param.padded, dim, shape)
+        if target is not None and entries[target] is None:
+            entries[target] = spec[dim]
+    return P(*entries) if any(e is not None for e in entries) else P()
 
 
 def state_specs(abstract: Any, leaves: Mapping[Path, LeafLayout], component: str = "opt_state") -> Any:

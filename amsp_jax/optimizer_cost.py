@@ -114,7 +114,10 @@ def update_ops(
     """The collectives the optimizer's update of one leaf (split as `split`) adds, once per step."""
     path = tuple(path)
     group_axes = axes.axes("opt_state")
-    if split.dim is None or axes.size(group_axes) == 1:
+    # A leaf split over two dimensions (`sharding.shard_dims`: where one dimension does not divide at
+    # thousands of devices) is outside the rules below, which were read for one split dimension: its
+    # update's collectives are not modelled (the audit would show them).
+    if split.dim is None or split.minor_dim is not None or axes.size(group_axes) == 1:
         return []
     build = _Builder(axes, hierarchical=False)  # GSPMD issues one collective over the whole group
     ops: list[Op] = []

@@ -6,10 +6,14 @@ the winner with the full cost and time models (`amsp_jax.cost`, `amsp_jax.timing
 
 Why the decomposition is exact. Under the whole-node rule every component's collectives run over
 one intra-node run of `intra` devices and one inter-node run of `inter` nodes, so each phase's bytes
-depend only on the placements of the components it moves between — except for one coupling: a leaf
-is split at all only if some dimension divides the largest group's degree (`sharding.leaf_layout`).
-The largest group contains the others, so the set of split leaves is the smallest of the three
-components' *profiles* (the leaves their own degree would split). With π that profile, the step is
+depend only on the placements of the components it moves between — except for one coupling: how a
+leaf is split (one dimension, two, or padded: `sharding.leaf_layout`) is set by the largest group.
+The set of leaves split at all is the smallest of the three components' *profiles* (the leaves their
+own degree would split: every leaf with a dimension, for any degree above 1). Padding is priced at
+the degree of the probe each term is read from, not the largest group's: where a leaf pads (no
+dimension or pair of dimensions divides), the decomposed time and memory are off by that padding's
+share, a fraction of a per mille for LLaMA; `evaluate` prices a plan by the full model. With π the
+profile, the step is
 
     P terms (p, π)     forward gathers, backward re-gathers, other-leaf gathers; P and gathered memory
     G terms (g, π)     per-micro-batch reduce-scatters; G memory (and the same again as temporaries)
@@ -48,7 +52,7 @@ from amsp_jax.cost import Transfer, Workload, leaf_transfers, llama_workload, me
 from amsp_jax.models.llama import LlamaConfig, ModelConfigError, muon_dimension_numbers
 from amsp_jax.plan import REMAT_POLICIES, Plan, Precision
 from amsp_jax.schedule import UPDATE, Implementation, accumulates, uses_prefetch
-from amsp_jax.sharding import plan_axes, shard_dim
+from amsp_jax.sharding import plan_axes, shard_dims
 from amsp_jax.space import Cluster, Placement, Strategy, preset
 from amsp_jax.workload import ModelSpec
 
@@ -267,10 +271,12 @@ def build_terms(request: Request) -> Terms:
     def profile_set(q: Placement) -> frozenset[int]:
         # Degree 1 splits nothing, but a whole leaf is also its own block: count it as splitting every
         # leaf, which keeps profiles shrinking as groups grow (and the probes of DDP are the same).
+        # Every larger group splits every leaf that has a dimension to split (padding it where none
+        # divides), so profiles differ only for scalars.
         return frozenset(
             i
             for i, (leaf, _) in enumerate(leaves)
-            if q.degree == 1 or shard_dim(leaf.shape, q.degree, leaf.stacked) is not None
+            if q.degree == 1 or shard_dims(leaf.shape, q.degree, leaf.stacked)[0] is not None
         )
 
     sets = {q: profile_set(q) for q in qs}

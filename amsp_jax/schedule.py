@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from amsp_jax.sharding import AxisPlan, LeafLayout, leaf_layout
 
@@ -110,9 +110,8 @@ class Op:
         return -(-factor * (self.group - 1) * size // self.group)
 
 
-def runs(axes: AxisPlan, group_axes: Sequence[str]) -> list[tuple[str, ...]]:
-    """Split ordered `group_axes` into maximal runs of intra-node or inter-node axes, order kept."""
-    return [tuple(group) for _, group in itertools.groupby(group_axes, key=axes.is_inter)]
+# The dimension a collective splits or joins: one for every axis, or each axis its own (two-dimension splits).
+Dims = int | Mapping[str, int]
 
 
 def nodes_spanned(axes: AxisPlan, group_axes: Sequence[str]) -> int:
@@ -139,27 +138,32 @@ class _Builder:
             _level(self.axes, group_axes), dim, elements, itemsize, executions,
         )  # fmt: skip
 
-    def pieces(self, group_axes: Sequence[str]) -> list[tuple[str, ...]]:
+    def pieces(self, group_axes: Sequence[str], dims: Dims) -> list[tuple[tuple[str, ...], int]]:
+        """`group_axes` in runs that one collective can take, with the dimension each splits: a leaf
+        split over two dimensions needs one per dimension; hierarchical, one per level too."""
         if not group_axes:
             return []
-        return runs(self.axes, group_axes) if self.hierarchical else [tuple(group_axes)]
+        dim_of = (lambda _: dims) if isinstance(dims, int) else dims.__getitem__
+        key = (lambda a: (self.axes.is_inter(a), dim_of(a))) if self.hierarchical else dim_of
+        grouped = (tuple(run) for _, run in itertools.groupby(group_axes, key))
+        return [(run, dim_of(run[0])) for run in grouped]
 
     def all_gather(
-        self, phase: str, group_axes: Sequence[str], dim: int, block: int, itemsize: int, executions: int
+        self, phase: str, group_axes: Sequence[str], dims: Dims, block: int, itemsize: int, executions: int
     ) -> list[Op]:
         """Gather over `group_axes` (major first): the minor run first, so nodes exchange the small piece."""
         ops, elements = [], block
-        for run in reversed(self.pieces(group_axes)):
+        for run, dim in reversed(self.pieces(group_axes, dims)):
             ops.append(self.op(phase, ALL_GATHER, run, dim, elements, itemsize, executions))
             elements *= self.axes.size(run)
         return ops
 
     def reduce_scatter(
-        self, phase: str, group_axes: Sequence[str], dim: int, full: int, itemsize: int, executions: int
+        self, phase: str, group_axes: Sequence[str], dims: Dims, full: int, itemsize: int, executions: int
     ) -> list[Op]:
         """Reduce-scatter over `group_axes` (major first): the major run first, intra-node by layout."""
         ops, elements = [], full
-        for run in self.pieces(group_axes):
+        for run, dim in self.pieces(group_axes, dims):
             ops.append(self.op(phase, REDUCE_SCATTER, run, dim, elements, itemsize, executions))
             elements //= self.axes.size(run)
         return ops
@@ -251,7 +255,8 @@ def leaf_schedule(
         # A leaf with nothing to split (a scalar) stays whole everywhere: only its gradient is summed.
         reduction = build.all_reduce(REDUCTION, all_axes, size, reduce_itemsize, 1)
         return LeafSchedule(tuple(path), split, stacked, (), (), (), tuple(reduction), (), (), False)
-    dim = split.dim - int(stacked)
+    largest = tuple(a for a, _ in split.axis_dims)
+    dim, leaf_dims = split.dims_of(largest, int(stacked)), split.dims_of(largest)
     p_axes, g_axes, o_axes = axes.axes("params"), axes.axes("grads"), axes.axes("opt_state")
     p_block = layer_size // axes.size(p_axes)
     per_micro_batch = layers * micro_batches
@@ -272,7 +277,7 @@ def leaf_schedule(
     if set(g_axes) <= set(o_axes):
         # OS is finer than G: scatter over the axes OS adds, then sum over its replicas (MiCS' 2 hops).
         extra = [a for a in o_axes if a not in g_axes]
-        reduction = build.reduce_scatter(REDUCTION, extra, split.dim, g_block, reduce_itemsize, 1)
+        reduction = build.reduce_scatter(REDUCTION, extra, leaf_dims, g_block, reduce_itemsize, 1)
         reduction += build.all_reduce(
             REDUCTION, [a for a in all_axes if a not in o_axes], o_block, reduce_itemsize, 1
         )
@@ -282,11 +287,11 @@ def leaf_schedule(
             REDUCTION, [a for a in all_axes if a not in g_axes], g_block, reduce_itemsize, 1
         )
         reduction += build.all_gather(
-            REDUCTION, [a for a in g_axes if a not in o_axes], split.dim, g_block, reduce_itemsize, 1
+            REDUCTION, [a for a in g_axes if a not in o_axes], leaf_dims, g_block, reduce_itemsize, 1
         )
     if set(p_axes) <= set(o_axes):
         extra = [a for a in o_axes if a not in p_axes]
-        refresh, refresh_slice = build.all_gather(REFRESH, extra, split.dim, o_block, param_itemsize, 1), ()
+        refresh, refresh_slice = build.all_gather(REFRESH, extra, leaf_dims, o_block, param_itemsize, 1), ()
     else:
         refresh, refresh_slice = [], tuple(a for a in p_axes if a not in o_axes)
     return LeafSchedule(

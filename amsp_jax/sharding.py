@@ -137,30 +137,38 @@ def make_layout(cluster: Cluster, strategy: Strategy, devices: Sequence[jax.Devi
 
 @dataclasses.dataclass(frozen=True)
 class LeafLayout:
-    """How one parameter leaf is split: the dimension (or None: whole everywhere), each component's spec,
-    and the stored shape: `shape` with the split dimension padded up to a multiple of the largest group.
+    """How one parameter leaf is split: over one dimension (`dim`), or two (`dim` and `minor_dim`), or
+    none (whole everywhere); each component's spec; and the stored shape.
 
-    Padding is zeros at the end of the split dimension, kept only where the leaf is stored and moved
-    (P, G and OS blocks, their collectives); the model, the user's parameters and checkpoints see
-    `shape`.
+    The largest group's mesh axes, in order, split `dim` and then (the rest of them) `minor_dim`; a
+    component with fewer axes uses a prefix of that order, so its block still contains the larger
+    groups' blocks. Where no dimension or pair divides, `dim` is padded with zeros at its end up to a
+    multiple of the largest group (`padded`): only where the leaf is stored and moved (P, G and OS
+    blocks, their collectives); the model, the user's parameters and checkpoints see `shape`.
     """
 
     shape: tuple[int, ...]
     dim: int | None
     specs: dict[str, P]
     padded: tuple[int, ...]
+    minor_dim: int | None = None
+    axis_dims: tuple[tuple[str, int], ...] = ()  # every axis of the largest group -> the dimension it splits
 
     @property
     def is_padded(self) -> bool:
         """Whether the stored shape is larger than the leaf."""
         return self.padded != self.shape
 
+    def dims_of(self, axes: Sequence[str], offset: int = 0) -> dict[str, int]:
+        """The dimension each of `axes` splits (less `offset`: a stacked leaf's per-layer tensors)."""
+        dims = dict(self.axis_dims)
+        return {a: dims[a] - offset for a in axes}
+
     def block_shape(self, layout: AxisPlan, component: str) -> tuple[int, ...]:
         """The shape of one device's block of this leaf under `component`'s placement."""
-        if self.dim is None:
-            return self.shape
         shape = list(self.padded)
-        shape[self.dim] //= layout.size(layout.axes(component))
+        for axis, dim in self.dims_of(layout.axes(component)).items() if self.dim is not None else ():
+            shape[dim] //= layout.axis_size(axis)
         return tuple(shape)
 
 
@@ -169,38 +177,61 @@ def padded_size(size: int, degree: int) -> int:
     return -(-size // degree) * degree
 
 
-def shard_dim(shape: Sequence[int], degree: int, stacked: bool) -> int | None:
-    """The dimension to split `degree` ways (never a stacked-layer dimension), or None (nothing to split).
+def shard_dims(
+    shape: Sequence[int], degree: int, stacked: bool, intra: int = 1
+) -> tuple[int | None, int | None]:
+    """Where to split a leaf `degree` ways (never on a stacked-layer dimension): (dim, minor dim or None);
+    dim None when there is nothing to split. `intra` is the part of `degree` inside a node.
 
-    The one needing the fewest padded elements; among equals (e.g. several that divide) the largest.
+    One dimension that divides (the largest); else two, the node's devices splitting one and the nodes
+    the other (so the collectives of each level stay on one dimension); else the one dimension that
+    needs the fewest padded elements.
     """
     first = 1 if stacked else 0
-    if degree == 1 or len(shape) <= first:
-        return None
+    dims = range(first, len(shape))
+    if degree == 1 or not dims:
+        return None, None
+    divisible = [d for d in dims if shape[d] % degree == 0]
+    if divisible:
+        return max(divisible, key=lambda d: (shape[d], -d)), None
+    inter = degree // intra
+    pairs = [(d, e) for d in dims for e in dims if d != e and shape[d] % intra == 0 and shape[e] % inter == 0]
+    if intra > 1 and inter > 1 and pairs:
+        return max(pairs, key=lambda pair: (shape[pair[0]], shape[pair[1]], -pair[0], -pair[1]))
     size = math.prod(shape)
 
     def padding(dim: int) -> int:
         return (padded_size(shape[dim], degree) - shape[dim]) * (size // shape[dim] if shape[dim] else 0)
 
-    return min(range(first, len(shape)), key=lambda dim: (padding(dim), -shape[dim], dim))
+    return min(dims, key=lambda dim: (padding(dim), -shape[dim], dim)), None
 
 
 def leaf_layout(layout: AxisPlan, shape: Sequence[int], stacked: bool) -> LeafLayout:
-    """Split of one leaf: every component on the same dimension, smaller groups' axes first, padded to
-    the largest group."""
-    degree = max(layout.size(layout.axes(c)) for c in COMPONENTS)
-    dim = shard_dim(shape, degree, stacked)
+    """Split of one leaf: every component on the same dimension(s), smaller groups' axes first (a prefix
+    of the largest group's), padded to the largest group where nothing divides."""
+    # Every component's axes are a prefix of the largest group's, whose intra-node axes come first.
+    order = max((layout.axes(c) for c in COMPONENTS), key=len)
+    intra_axes = [a for a in order if not layout.is_inter(a)]
+    dim, minor_dim = shard_dims(shape, layout.size(order), stacked, layout.size(intra_axes))
+    axis_dims = (
+        tuple((a, minor_dim if minor_dim is not None and layout.is_inter(a) else dim) for a in order)
+        if dim is not None
+        else ()
+    )
     specs = {}
     for comp in COMPONENTS:
-        axes = layout.axes(comp) if dim is not None else ()
         entries: list[object] = [None] * len(shape)
-        if axes:
-            entries[dim] = axes if len(axes) > 1 else axes[0]
+        by_dim: dict[int, list[str]] = {}
+        for axis, d in dict(axis_dims).items():
+            if axis in layout.axes(comp):
+                by_dim.setdefault(d, []).append(axis)
+        for d, axes in by_dim.items():
+            entries[d] = tuple(axes) if len(axes) > 1 else axes[0]
         specs[comp] = P(*entries)
     padded = list(shape)
-    if dim is not None:
-        padded[dim] = padded_size(shape[dim], degree)
-    return LeafLayout(tuple(shape), dim, specs, tuple(padded))
+    if dim is not None and minor_dim is None:
+        padded[dim] = padded_size(shape[dim], layout.size(order))
+    return LeafLayout(tuple(shape), dim, specs, tuple(padded), minor_dim, axis_dims)
 
 
 def pad(x: Any, padded: Sequence[int]) -> Any:

@@ -98,8 +98,8 @@ class ParamLayout:
         names = ", ".join("/".join(map(str, p)) for p in padded[:4])
         more = f" (+{len(padded) - 4} more)" if len(padded) > 4 else ""
         return (
-            f"{len(padded)} leaves have no dimension divisible by the group and are stored padded to split "
-            f"evenly ({extra / real:.2%} more elements): {names}{more}"
+            f"{len(padded)} leaves have no dimension (or pair of dimensions) the group divides and are "
+            f"stored padded to split evenly ({extra / real:.2%} more elements): {names}{more}"
         )
 
     def tree(self, fn: Callable[[Path, LeafLayout], Any]) -> Any:
@@ -346,7 +346,7 @@ class Trainer:
         def refresh_leaf(leaf: LeafSchedule, block: jax.Array) -> jax.Array:
             block = block.astype(dtype)
             if leaf.refresh_slice:
-                return collectives.local_slice(layout, block, leaf.refresh_slice, leaf.split.dim)
+                return collectives.local_slice(layout, block, leaf.split.dims_of(leaf.refresh_slice))
             return collectives.execute(block, leaf.refresh, replicated=True)
 
         def body(master_blocks: Any) -> Any:
@@ -683,6 +683,13 @@ class Trainer:
         if replicated and sharded:
             names = ", ".join("/".join(map(str, p)) for p in replicated)
             lines.append(f"replicated  {len(replicated)} leaves have no dimension to split: {names}")
+        two = ["/".join(map(str, p)) for p, leaf in pl.leaves.items() if leaf.minor_dim is not None]
+        if two:
+            more = f" (+{len(two) - 4} more)" if len(two) > 4 else ""
+            lines.append(
+                f"two dims    {len(two)} leaves split over two dimensions (no one dimension divides; a "
+                f"node's devices split one, the nodes the other): {', '.join(two[:4])}{more}"
+            )
         if pl.padding():
             lines.append(f"padded      {pl.padding()}")
         return "\n".join(lines)

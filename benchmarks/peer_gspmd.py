@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from amsp_jax import audit
 from amsp_jax.layers import LayerContext, StackOps, layer_context, recording_stacks
-from amsp_jax.sharding import ordered_devices, plan_axes, shard_dim
+from amsp_jax.sharding import ordered_devices, plan_axes
 from amsp_jax.space import Cluster, ddp
 
 MODES = ("fsdp", "zero1")
@@ -81,8 +81,11 @@ def make_mesh(cluster: Cluster, devices: Sequence[jax.Device] | None = None) -> 
 
 
 def fsdp_spec(shape: Sequence[int], stacked: bool, num_devices: int) -> P:
-    """Split along the largest dimension divisible by the device count, over every mesh axis."""
-    dim = shard_dim(shape, num_devices, stacked)
+    """Split along the largest dimension divisible by the device count, over every mesh axis; a leaf
+    with none stays whole (a `NamedSharding` must divide its dimension; MaxText's rule)."""
+    first = 1 if stacked else 0
+    divisible = [d for d in range(first, len(shape)) if shape[d] % num_devices == 0]
+    dim = max(divisible, key=lambda d: (shape[d], -d)) if divisible else None
     entries: list[Any] = [None] * len(shape)
     if dim is not None:
         entries[dim] = MESH_AXES
