@@ -307,10 +307,16 @@ def activation_bytes(workload: Workload) -> tuple[int, int]:
         if d.attention == "blockwise":
             block = min(d.attention_block, t)
             attention += b * d.n_heads * block * block * 2 * (FP32 + act)
-    full_layer = act * tokens * (6 * d.dim + kv + 3 * d.ffn_dim) + attention
+    # What the backward reads of one layer (JAX's saved residuals; the same buffers in the GPU-compiled
+    # scan): per RMSNorm its fp32 input and normalised output and the activation-dtype result, the
+    # attention's q, k, v and output, and six ffn-sized tensors (both projections, sigmoid, silu and
+    # their product).
+    full_layer = tokens * (4 * FP32 * d.dim + act * (4 * d.dim + kv + 6 * d.ffn_dim)) + attention
     kept = {
         "full": act * tokens * d.dim,
-        "dots": act * tokens * (4 * d.dim + kv + 3 * d.ffn_dim),
+        # Dot outputs the backward needs (q, k, v, the output projection, both ffn up-projections)
+        # and the layer input; the down projection's output is only added to the residual stream.
+        "dots": act * tokens * (3 * d.dim + kv + 2 * d.ffn_dim),
         "none": full_layer,
     }[workload.remat]
     return kept, full_layer
@@ -341,15 +347,15 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
     kept, full_layer = activation_bytes(workload)
     layers = workload.dims.n_layers
     # The backward pass holds a gathered layer and its full-size gradient before the reduce-scatter,
-    # plus the next layer when it is prefetched (remat full); without remat the forward keeps every
-    # layer's gathered weights as residuals.
+    # plus the next layer when it is prefetched (remat full); without remat the forward's scan stacks
+    # every layer's gathered weights as residuals, a copy even where P is replicated.
     prefetch = schedule.uses_prefetch(
         workload.micro_batches, workload.remat, layers, workload.implementation.prefetch
     )
     held = 3 if prefetch else 2
     gathered = gathered_other + held * (layer_full - layer_sharded)
     if workload.remat == "none":
-        gathered += layers * (layer_full - layer_sharded)
+        gathered += layers * layer_full
     d = workload.dims
     logits = workload.micro_batch_size * workload.seq_len * d.vocab_size * FP32
     activations = layers * kept + full_layer + 2 * logits

@@ -1,8 +1,9 @@
-"""Predicted MFU from 8 to 8192 GPUs for LLaMA 7B/13B/30B on the A800 cluster: presets vs the planner.
+"""Predicted MFU from 8 to 8192 GPUs for LLaMA 7B/13B/30B/65B on the A800 cluster: presets vs the planner.
 
 The AMSP setting (arXiv 2311.00257): 8 A800s per node, sequence 4096, a 4M-token global batch,
 micro-batch 1. At 8192 GPUs 4M tokens are fewer than one sequence per device, so there the batch
-is one sequence per device (32M tokens). Writes `benchmarks/results/scale.md` and `scale.png`.
+is one sequence per device (32M tokens). Writes `benchmarks/results/scale.md` and `scale.png`; the
+first table of scale.md is AMSP's own setting, 1,024 GPUs: its published placement beside the planner's.
 
     .venv/bin/python benchmarks/scale.py
 """
@@ -18,18 +19,20 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from amsp_jax import partitioner as pt
-from amsp_jax.cluster_config import load
+from amsp_jax.cluster_config import ClusterConfig, load
 from amsp_jax.models.llama import LlamaConfig
+from amsp_jax.plan import REMAT_POLICIES
 from amsp_jax.space import Strategy
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 CLUSTER = ROOT / "configs" / "clusters" / "a800-8x-ib800.yaml"
-MODELS = ("llama-7b", "llama-13b", "llama-30b")
+MODELS = ("llama-7b", "llama-13b", "llama-30b", "llama-65b")
 NODES = (1, 2, 4, 8, 16, 32, 64, 128, 1024)
+AMSP_NODES = 128  # AMSP's test bed: 128 nodes of 8 A800s
 SEQ_LEN = 4096
 GLOBAL_BATCH_TOKENS = 4 * 2**20
-AMSP_CHOICES = {  # (s0, s1) per component, as published
+AMSP_CHOICES = {  # (s0, s1) per component, as published; none for 65B
     "llama-7b": "p=1x1,g=1x1,os=8x1",
     "llama-13b": "p=4x1,g=4x1,os=8x1",
     "llama-30b": "p=8x1,g=8x1,os=8x4",
@@ -43,20 +46,27 @@ STYLES = {
 }
 
 
-def evaluate_point(model: LlamaConfig, name: str, nodes: int) -> dict[str, pt.Evaluated | None]:
-    """The planner's choice, AMSP's published strategy and every preset at one cluster size."""
-    hardware = load(CLUSTER)
+def amsp_request(model: LlamaConfig, hardware: ClusterConfig, nodes: int) -> pt.Request:
+    """The benchmark's request on `nodes` nodes: sequence 4096, micro-batch 1, at least a 4M-token batch."""
     devices = nodes * hardware.devices_per_node
-    request = pt.make_request(
+    return pt.make_request(
         model, hardware, nodes, seq_len=SEQ_LEN,
         global_batch_tokens=max(GLOBAL_BATCH_TOKENS, devices * SEQ_LEN), micro_batch_size=1,
     )  # fmt: skip
+
+
+def evaluate_point(model: LlamaConfig, name: str, nodes: int) -> dict[str, pt.Evaluated | None]:
+    """The planner's choice, AMSP's published strategy and every preset at one cluster size."""
+    request = amsp_request(model, load(CLUSTER), nodes)
     terms = pt.build_terms(request)
     row: dict[str, pt.Evaluated | None] = {r.name: r for r in pt.alternatives(terms)}
     try:
         row["chosen"] = pt.plan(request, terms)
     except pt.PlanError:
         row["chosen"] = None
+    if name not in AMSP_CHOICES:
+        row["amsp"] = None
+        return row
     amsp = Strategy.parse(AMSP_CHOICES[name])
     try:
         amsp.validate(request.cluster.cluster())
@@ -75,6 +85,52 @@ def cell(e: pt.Evaluated | None) -> str:
     if not e.feasible:
         return f"OOM ({e.memory_bytes / pt.GIB:.0f} GiB)"
     return f"{100 * e.estimate.time.mfu:.1f}"
+
+
+def _summary(e: pt.Evaluated | None) -> str:
+    """Strategy, remat, MFU and memory of one plan, as table cells."""
+    if e is None:
+        return "– | – | – | –"
+    fits = "" if e.feasible else " (does not fit)"
+    return (
+        f"`{e.description}` | {e.remat} | {100 * e.estimate.time.mfu:.1f} | "
+        f"{e.memory_bytes / pt.GIB:.1f}{fits}"
+    )
+
+
+def amsp_setting(table: dict[str, dict[int, dict[str, pt.Evaluated | None]]]) -> list[str]:
+    """AMSP's placement (its best remat that fits, and every remat) beside the planner's, at 1,024 GPUs."""
+    hardware = load(CLUSTER)
+    lines = [
+        f"## AMSP's setting: {AMSP_NODES} nodes x {hardware.devices_per_node} A800, 4M-token batch, "
+        "micro-batch 1",
+        "",
+        "Predicted (cost and time models). MFU in percent; memory in GiB per GPU "
+        f"({hardware.memory_limit / pt.GIB:.1f} usable).",
+        "",
+        "| model | AMSP's placement | remat | MFU | GiB | planner's choice | remat | MFU | GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in MODELS:
+        row = table[name][AMSP_NODES]
+        lines.append(f"| {name} | {_summary(row['amsp'])} | {_summary(row['chosen'])} |")
+    lines += [
+        "",
+        "AMSP's placement at each remat policy (MFU / GiB; `!`: does not fit):",
+        "",
+        "| model | placement | " + " | ".join(REMAT_POLICIES) + " |",
+        "|---|---|" + "---|" * len(REMAT_POLICIES),
+    ]
+    for name, strategy in AMSP_CHOICES.items():
+        model = LlamaConfig.from_yaml(ROOT / "configs" / "models" / f"{name}.yaml")
+        request = amsp_request(model, hardware, AMSP_NODES)
+        cells = []
+        for remat in REMAT_POLICIES:
+            e = pt.evaluate(request, Strategy.parse(strategy), 1, remat, name="amsp")
+            fits = "" if e.feasible else " !"
+            cells.append(f"{100 * e.estimate.time.mfu:.1f} / {e.memory_bytes / pt.GIB:.1f}{fits}")
+        lines.append(f"| {name} | `{strategy}` | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def main() -> None:
@@ -98,6 +154,7 @@ def main() -> None:
         "does not exist at that size. `amsp` is AMSP's published strategy for the model, forced; `chosen` "
         "is the planner's (ILP) choice, shown with its strategy. Each preset takes its best remat policy.",
         "",
+        *amsp_setting(table),
     ]
     for name in MODELS:
         lines += [f"## {name}", "", "| GPUs | chosen strategy | remat | " + " | ".join(COLUMNS) + " |"]
@@ -110,7 +167,7 @@ def main() -> None:
         lines.append("")
     (RESULTS / "scale.md").write_text("\n".join(lines))
 
-    fig, axes = plt.subplots(1, len(MODELS), figsize=(6 * len(MODELS), 4.5), sharey=True)
+    fig, axes = plt.subplots(1, len(MODELS), figsize=(5 * len(MODELS), 4.5), sharey=True)
     for ax, name in zip(axes, MODELS, strict=True):
         gpus = [n * hardware.devices_per_node for n in NODES]
         for column in COLUMNS:
