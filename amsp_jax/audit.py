@@ -304,7 +304,7 @@ def workload_of(trainer: Any, batch: Any, dims: cost.ModelDims) -> cost.Workload
     leaves = tuple(
         cost.LeafShape(
             path, leaf.shape, layout.stack_of(path) is not None, layout.per_layer(path),
-            path not in layout.backward_unused,
+            path not in layout.backward_unused, path in layout.frozen,
         )
         for path, leaf in layout.leaves.items()
     )

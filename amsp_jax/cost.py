@@ -43,6 +43,7 @@ class LeafShape:
     stacked: bool
     per_layer: bool | None = None  # gathered one layer at a time; None: when stacked
     regathered: bool = True  # gathered again in the backward pass (False: the backward never reads it)
+    frozen: bool = False  # not trained: no gradient, no optimizer state, never refreshed
 
     @property
     def size(self) -> int:
@@ -198,7 +199,7 @@ def schedule_leaf(axes: AxisPlan, workload: Workload, leaf: LeafShape) -> LeafSc
     return schedule.leaf_schedule(
         axes, leaf.path, leaf.shape, leaf.stacked, workload.micro_batches, workload.remat,
         workload.precision.param_bytes, workload.precision.reduce_bytes, workload.implementation,
-        leaf.per_layer, leaf.regathered,
+        leaf.per_layer, leaf.regathered, leaf.frozen,
     )  # fmt: skip
 
 
@@ -327,12 +328,14 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
     p_bytes = workload.precision.param_bytes
     gathered_bytes = workload.wire_bytes(p_bytes)
     g_bytes = jnp.dtype(schedule.grad_dtype(workload.micro_batches, workload.precision.reduce_dtype)).itemsize
-    params = grads = master = gathered_other = 0
+    params = grads = master = trained_master = gathered_other = 0
     layer_full = layer_sharded = 0
     for leaf in workload.leaves:
         split = schedule_leaf(axes, workload, leaf).split
         params += _block_elements(axes, split, "params") * p_bytes
-        grads += _block_elements(axes, split, "grads") * g_bytes
+        if not leaf.frozen:
+            grads += _block_elements(axes, split, "grads") * g_bytes
+            trained_master += _block_elements(axes, split, "opt_state") * FP32
         master += _block_elements(axes, split, "opt_state") * FP32
         stored = math.prod(split.padded)
         if leaf.per_layer if leaf.per_layer is not None else leaf.stacked:
@@ -343,7 +346,7 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
             layer_sharded += _block_elements(axes, split, "params") // layers * gathered_bytes
         else:
             gathered_other += (stored - _block_elements(axes, split, "params")) * gathered_bytes
-    opt_state = master // FP32 * workload.opt_state_bytes_per_param
+    opt_state = trained_master // FP32 * workload.opt_state_bytes_per_param
     kept, full_layer = activation_bytes(workload)
     layers = workload.dims.n_layers
     # The backward pass holds a gathered layer and its full-size gradient before the reduce-scatter,
@@ -361,7 +364,7 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
     activations = layers * kept + full_layer + 2 * logits
     # One micro-batch's gradient beside the accumulator (none with one micro-batch), and the
     # optimizer's update on OS.
-    temporaries = (grads if schedule.accumulates(workload.micro_batches) else 0) + master
+    temporaries = (grads if schedule.accumulates(workload.micro_batches) else 0) + trained_master
     return Memory(params, grads, master, opt_state, gathered, activations, temporaries)
 
 

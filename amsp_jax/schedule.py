@@ -201,6 +201,7 @@ class LeafSchedule:
     refresh: tuple[Op, ...]
     refresh_slice: tuple[str, ...]
     per_layer: bool = False  # gathered per layer (a stack's or a block's leaf), else once per step
+    frozen: bool = False  # not trained: gathered, never reduced or refreshed
 
     @property
     def layers(self) -> int:
@@ -218,8 +219,10 @@ class LeafSchedule:
         return self.split.padded[int(self.stacked) :]
 
     def ops(self) -> tuple[Op, ...]:
-        """Every op of this leaf, in step order."""
-        return self.gather + self.regather + self.grad_reduce + self.reduction + self.refresh
+        """Every op of this leaf in one step, in step order. A frozen leaf's `refresh` runs only where a
+        state is built (init, restore), never in the step."""
+        refresh = () if self.frozen else self.refresh
+        return self.gather + self.regather + self.grad_reduce + self.reduction + refresh
 
 
 def leaf_schedule(
@@ -234,6 +237,7 @@ def leaf_schedule(
     implementation: Implementation = Implementation(),
     per_layer: bool | None = None,
     regathered: bool = True,
+    frozen: bool = False,
 ) -> LeafSchedule:
     """The collectives the step runs for one leaf, with their executions per step.
 
@@ -244,6 +248,8 @@ def leaf_schedule(
     them out of the micro-batch loop (once per step); their gradient is reduce-scattered per
     micro-batch. Once per step the G→OS reduction and the P refresh run. A leaf the backward pass never
     reads (`regathered=False`, e.g. a bias added just before a residual sum) is not gathered again.
+    A `frozen` leaf is gathered as any other but has no gradient: no reduce-scatter, no reduction onto
+    OS, and no refresh in the step (its P never changes).
     """
     split = leaf_layout(axes, shape, stacked)
     build = _Builder(axes, implementation.hierarchical)
@@ -253,8 +259,8 @@ def leaf_schedule(
     all_axes = axes.all_axes
     if split.dim is None:
         # A leaf with nothing to split (a scalar) stays whole everywhere: only its gradient is summed.
-        reduction = build.all_reduce(REDUCTION, all_axes, size, reduce_itemsize, 1)
-        return LeafSchedule(tuple(path), split, stacked, (), (), (), tuple(reduction), (), (), False)
+        reduction = [] if frozen else build.all_reduce(REDUCTION, all_axes, size, reduce_itemsize, 1)
+        return LeafSchedule(tuple(path), split, stacked, (), (), (), tuple(reduction), (), (), False, frozen)
     largest = tuple(a for a, _ in split.axis_dims)
     dim, leaf_dims = split.dims_of(largest, int(stacked)), split.dims_of(largest)
     p_axes, g_axes, o_axes = axes.axes("params"), axes.axes("grads"), axes.axes("opt_state")
@@ -270,11 +276,17 @@ def leaf_schedule(
         )
     else:
         gather, regather = build.all_gather(OTHER_GATHER, p_axes, dim, p_block, param_itemsize, 1), []
-    grad_reduce = build.reduce_scatter(GRAD_REDUCE, g_axes, dim, layer_size, reduce_itemsize, per_micro_batch)
+    grad_reduce = (
+        []
+        if frozen
+        else build.reduce_scatter(GRAD_REDUCE, g_axes, dim, layer_size, reduce_itemsize, per_micro_batch)
+    )
 
     g_block = size // axes.size(g_axes)
     o_block = size // axes.size(o_axes)
-    if set(g_axes) <= set(o_axes):
+    if frozen:
+        reduction = []
+    elif set(g_axes) <= set(o_axes):
         # OS is finer than G: scatter over the axes OS adds, then sum over its replicas (MiCS' 2 hops).
         extra = [a for a in o_axes if a not in g_axes]
         reduction = build.reduce_scatter(REDUCTION, extra, leaf_dims, g_block, reduce_itemsize, 1)
@@ -296,7 +308,7 @@ def leaf_schedule(
         refresh, refresh_slice = [], tuple(a for a in p_axes if a not in o_axes)
     return LeafSchedule(
         tuple(path), split, stacked, tuple(gather), tuple(regather), tuple(grad_reduce),
-        tuple(reduction), tuple(refresh), refresh_slice, per_layer,
+        tuple(reduction), tuple(refresh), refresh_slice, per_layer, frozen,
     )  # fmt: skip
 
 
@@ -325,7 +337,7 @@ class Schedule:
 
 def build(
     axes: AxisPlan,
-    leaves: Iterable[tuple[tuple[str, ...], Sequence[int], bool, bool, bool]],
+    leaves: Iterable[tuple[tuple[str, ...], Sequence[int], bool, bool, bool, bool]],
     micro_batches: int,
     remat: str,
     param_itemsize: int,
@@ -333,10 +345,10 @@ def build(
     implementation: Implementation = Implementation(),
 ) -> Schedule:
     """The schedule of a step over `leaves` given as (path, shape, stacked, gathered per layer,
-    gathered again in the backward pass)."""
+    gathered again in the backward pass, frozen)."""
     knobs = (micro_batches, remat, param_itemsize, reduce_itemsize, implementation)
     scheduled = {
-        tuple(path): leaf_schedule(axes, tuple(path), shape, stacked, *knobs, per_layer, regathered)
-        for path, shape, stacked, per_layer, regathered in leaves
+        tuple(path): leaf_schedule(axes, tuple(path), shape, stacked, *knobs, per_layer, regathered, frozen)
+        for path, shape, stacked, per_layer, regathered, frozen in leaves
     }
     return Schedule(scheduled, micro_batches, remat, implementation)

@@ -66,6 +66,7 @@ class ParamLayout:
     treedef: Any
     blocks: tuple[Path, ...] = ()
     backward_unused: frozenset[Path] = frozenset()  # block leaves the backward pass does not read
+    frozen: frozenset[Path] = frozenset()  # leaves not trained (`Trainer(frozen=...)`)
 
     def stack_of(self, path: Path) -> Path | None:
         """The stacked subtree holding `path` (its leaves have a layer dimension), if any."""
@@ -111,8 +112,10 @@ def _flatten(tree: Any) -> dict[Path, Any]:
     return traverse_util.flatten_dict(flax.core.unfreeze(tree))
 
 
-def param_layout(layout: Layout, layers: Layers) -> ParamLayout:
-    """Split every leaf of the model's parameters for the layout, knowing its layers."""
+def param_layout(
+    layout: Layout, layers: Layers, frozen: Callable[[Path], bool] | None = None
+) -> ParamLayout:
+    """Split every leaf of the model's parameters for the layout, knowing its layers and which are frozen."""
     stacks = layers.stacked
     flat = _flatten(layers.abstract_params)
     leaves = {
@@ -120,7 +123,8 @@ def param_layout(layout: Layout, layers: Layers) -> ParamLayout:
         for path, leaf in flat.items()
     }
     treedef = jax.tree.structure(layers.abstract_params)
-    return ParamLayout(leaves, stacks, treedef, tuple(layers.blocks), layers.backward_unused)
+    held = frozenset(p for p in leaves if frozen is not None and frozen(p))
+    return ParamLayout(leaves, stacks, treedef, tuple(layers.blocks), layers.backward_unused, held)
 
 
 def _blocks_summary(pl: ParamLayout) -> str:
@@ -135,6 +139,19 @@ def _blocks_summary(pl: ParamLayout) -> str:
         names = ["/".join(map(str, b)) for b in looped]
         parts.append(names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} blocks)")
     return ", ".join(parts)
+
+
+def _without(optimizer: optax.GradientTransformation, frozen: Callable[[Path], bool]) -> Any:
+    """`optimizer` on the trained leaves only: frozen ones get zero updates and keep no state."""
+
+    def labels(params: Any) -> Any:
+        def label(key_path: tuple[Any, ...], _: Any) -> str:
+            path = tuple(getattr(k, "key", k) for k in key_path)
+            return "frozen" if frozen(path) else "trained"
+
+        return jax.tree_util.tree_map_with_path(label, params)
+
+    return optax.multi_transform({"trained": optimizer, "frozen": optax.set_to_zero()}, labels)
 
 
 def rng_for(
@@ -159,6 +176,7 @@ class Trainer:
         layers: tuple[type, ...] | None = None,
         has_aux: bool = False,
         rng_seed: int | None = None,
+        frozen: Callable[[Path], bool] | None = None,
     ) -> None:
         """`loss_fn(params, batch) -> mean loss` over one micro-batch; `params` as `model.init` makes them.
 
@@ -167,10 +185,15 @@ class Trainer:
         `has_aux`: `loss_fn` returns `(loss, metrics)`, a dict of scalars averaged like the loss into
         the step's metrics. `rng_seed`: `loss_fn(params, batch, rng)` gets a key (e.g. for dropout),
         `rng_for(seed, step, micro_batch, shard)`: a different one per step, micro-batch and batch shard.
+        `frozen(path) -> bool` names parameters not to train (path: the tuple of keys, e.g.
+        `lambda path: path[0] == "embed"`): they are gathered as the others, but get no gradient (no
+        reduce-scatter, no reduction), no optimizer state (`optimizer` sees only the trained ones) and
+        no refresh; their fp32 master copy stays, for checkpoints and `full_params`.
         """
         self.plan = plan
         self.model = model
-        self.optimizer = optimizer
+        self.frozen = frozen
+        self.optimizer = optimizer if frozen is None else _without(optimizer, frozen)
         self.loss_fn = loss_fn
         self.layers = layers
         self.has_aux = has_aux
@@ -194,7 +217,7 @@ class Trainer:
             plan = self.plan
             leaves = [
                 (path, leaf.shape, pl.stack_of(path) is not None, pl.per_layer(path),
-                 path not in pl.backward_unused)
+                 path not in pl.backward_unused, path in pl.frozen)
                 for path, leaf in pl.leaves.items()
             ]  # fmt: skip
             built = build_schedule(
@@ -245,7 +268,7 @@ class Trainer:
                     "from an fp32 master copy by its gradient; keep integer state out of the 'params' "
                     "collection (e.g. in a flax variable of another collection, or a constant)"
                 )
-        self.params_layout = param_layout(self.layout, found)
+        self.params_layout = param_layout(self.layout, found, self.frozen)
         self._example_inputs = example_inputs
 
     @property
@@ -337,11 +360,13 @@ class Trainer:
 
     # ---- the step ----------------------------------------------------------------------------------
 
-    def _refresh(self, master: Any) -> Any:
-        """New P from the OS-sharded master: cast, then the schedule's gathers (or a slice) onto P."""
+    def _refresh(self, master: Any, previous: Any = None) -> Any:
+        """New P from the OS-sharded master: cast, then the schedule's gathers (or a slice) onto P. With
+        the `previous` P, frozen leaves keep theirs (they never change) and move nothing."""
         layout, pl, schedule = self.layout, self.params_layout, self.schedule
         assert pl is not None
         dtype = jnp.dtype(self.plan.precision.param_dtype)
+        kept = frozenset() if previous is None else pl.frozen
 
         def refresh_leaf(leaf: LeafSchedule, block: jax.Array) -> jax.Array:
             block = block.astype(dtype)
@@ -349,15 +374,21 @@ class Trainer:
                 return collectives.local_slice(layout, block, leaf.split.dims_of(leaf.refresh_slice))
             return collectives.execute(block, leaf.refresh, replicated=True)
 
-        def body(master_blocks: Any) -> Any:
-            flat = _flatten(master_blocks)
-            refreshed = {p: refresh_leaf(schedule.leaves[p], x) for p, x in flat.items()}
+        def body(master_blocks: Any, kept_blocks: Any) -> Any:
+            flat, held = _flatten(master_blocks), _flatten(kept_blocks)
+            refreshed = {
+                p: held[p] if p in kept else refresh_leaf(schedule.leaves[p], x) for p, x in flat.items()
+            }
             return traverse_util.unflatten_dict(refreshed)
 
         specs = lambda comp: pl.tree(lambda _, leaf: leaf.specs[comp])  # noqa: E731
+        only_kept = lambda tree: traverse_util.unflatten_dict(  # noqa: E731
+            {p: x for p, x in _flatten(tree).items() if p in kept}
+        )
         return jax.shard_map(
-            body, mesh=layout.mesh, in_specs=(specs("opt_state"),), out_specs=specs("params")
-        )(master)
+            body, mesh=layout.mesh, in_specs=(specs("opt_state"), only_kept(specs("params"))),
+            out_specs=specs("params"),
+        )(master, only_kept(previous) if kept else {})  # fmt: skip
 
     def _micro_loss(self) -> Callable[..., tuple[jax.Array, Any]]:
         """`micro_loss(sinks, P blocks, micro-batch, rng) -> (loss, metrics)` for use inside shard_map:
@@ -370,7 +401,15 @@ class Trainer:
         remat, policy = plan.remat_policy()
 
         def gather_fn(leaf: LeafSchedule) -> Callable[[jax.Array, jax.Array], jax.Array]:
+            if leaf.frozen:  # no gradient, so no reduce-scatter: the sink stays zero
+                return lambda block, _: jax.lax.stop_gradient(collectives.gather_weights(layout, block, leaf))
             return collectives.make_gather(layout, leaf, reduce_dtype, grad_dtype)
+
+        def reduce_fn(leaf: LeafSchedule, grad: jax.Array) -> jax.Array:
+            if leaf.frozen:  # the weight gradient is dropped (and its computation with it)
+                block = leaf.split.block_shape(layout, "grads")[int(leaf.stacked) :]
+                return collectives.mark_varying(jnp.zeros(block, grad_dtype), layout.all_axes)
+            return collectives.reduce_gradient(grad, leaf, reduce_dtype, grad_dtype)
 
         def per_leaf(fn: Callable[..., jax.Array], leaves: dict[Path, LeafSchedule]) -> Callable[..., Any]:
             def apply(*trees: Any) -> Any:
@@ -389,10 +428,7 @@ class Trainer:
                 gather=per_leaf(
                     lambda leaf, block: collectives.gather_weights(layout, block, leaf), inner
                 ),
-                reduce=per_leaf(
-                    lambda leaf, grad: collectives.reduce_gradient(grad, leaf, reduce_dtype, grad_dtype),
-                    inner,
-                ),
+                reduce=per_leaf(reduce_fn, inner),
             ), inner
 
         stack_ops: dict[Path, StackOps] = {}
@@ -479,6 +515,8 @@ class Trainer:
         micro_loss = self._micro_loss()
 
         def to_opt_state(path: Path, g_block: jax.Array) -> jax.Array:
+            if path in pl.frozen:  # the optimizer gives frozen leaves zero updates whatever they get
+                return jnp.zeros(pl.leaves[path].block_shape(layout, "opt_state"), jnp.float32)
             reduced = collectives.execute(g_block.astype(reduce_dtype), schedule.leaves[path].reduction, True)
             return reduced.astype(jnp.float32) / count
 
@@ -562,7 +600,7 @@ class Trainer:
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
         master = jax.tree.map(keep, master, state.master)
         opt_state = jax.tree.map(keep, opt_state, state.opt_state)
-        new_state = TrainState(state.step + 1, self._refresh(master), master, opt_state)
+        new_state = TrainState(state.step + 1, self._refresh(master, state.params), master, opt_state)
         return new_state, {**metrics, "loss": loss, "grad_norm": grad_norm}
 
     def _zero_padding(self, master: Any) -> Any:
@@ -683,6 +721,13 @@ class Trainer:
         if replicated and sharded:
             names = ", ".join("/".join(map(str, p)) for p in replicated)
             lines.append(f"replicated  {len(replicated)} leaves have no dimension to split: {names}")
+        if pl.frozen:
+            count = sum(math.prod(pl.leaves[p].shape) for p in pl.frozen)
+            names = ", ".join(sorted("/".join(map(str, p)) for p in pl.frozen)[:4])
+            lines.append(
+                f"frozen      {len(pl.frozen)} leaves ({count:,} parameters): gathered, never reduced, "
+                f"updated or refreshed; no optimizer state: {names}{' ...' if len(pl.frozen) > 4 else ''}"
+            )
         two = ["/".join(map(str, p)) for p, leaf in pl.leaves.items() if leaf.minor_dim is not None]
         if two:
             more = f" (+{len(two) - 4} more)" if len(two) > 4 else ""

@@ -1,4 +1,5 @@
-"""A loss as users write it: metrics out of the step, an RNG for dropout, and the pure step functions.
+"""A loss as users write it: metrics out of the step, an RNG for dropout, frozen parameters, and the
+pure step functions.
 
 The dropout reference is plain `jax.grad` on one device over the same micro-batches and keys: the
 global batch cut into the devices' slices in order, each slice into micro-batches, and the key of
@@ -14,9 +15,11 @@ import optax
 import pytest
 
 import amsp_jax as aj
-from amsp_jax.models.llama import cross_entropy
+from amsp_jax import audit, cost
+from amsp_jax.models.llama import Llama, cross_entropy, make_loss_fn
+from amsp_jax.schedule import BACKWARD_GATHER, FORWARD_GATHER, OTHER_GATHER
 from tests import model_zoo
-from tests.helpers import optimizer
+from tests.helpers import TINY, optimizer, train_data
 from tests.test_any_model import assert_params_close, data
 
 CLUSTER = aj.Cluster(2, 4)
@@ -112,3 +115,54 @@ def test_pure_step_functions_under_your_own_jit():
     assert_params_close(trainer.full_params(own_state), reference_trainer.full_params(state), rtol=1e-6)
     leaf = jax.tree.leaves(own_state.master)[0]
     assert leaf.sharding.is_equivalent_to(jax.tree.leaves(trainer.state_shardings().master)[0], leaf.ndim)
+
+
+def _is_frozen(path):
+    """The embedding and every layer's query projection (a top leaf and a stacked LayerStack leaf)."""
+    return path[0] == "embed" or path[-1] == "wq"
+
+
+@pytest.mark.parametrize(("strategy", "micro_batches"), [("zero3", 1), ("p=2x1,g=4x1,os=4x2", 3)])
+def test_frozen_parameters_train_like_optax_multi_transform_and_move_no_gradient(strategy, micro_batches):
+    model, batches = Llama(TINY), train_data()
+    loss_fn = make_loss_fn(model)
+    # The reference: plain jax.grad on one device, frozen leaves given zero updates by optax itself.
+    params = model.init(jax.random.key(0), batches[0]["inputs"])["params"]
+    initial = jax.tree.map(np.asarray, params)
+    labels = jax.tree_util.tree_map_with_path(
+        lambda kp, _: "frozen" if _is_frozen(tuple(k.key for k in kp)) else "trained", params
+    )
+    opt = optax.multi_transform({"trained": optimizer(), "frozen": optax.set_to_zero()}, labels)
+    opt_state = opt.init(params)
+    expected = []
+    for batch in batches:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        expected.append(float(loss))
+
+    plan = aj.Plan(CLUSTER, aj.resolve(strategy, CLUSTER), micro_batches, precision="fp32")
+    trainer = aj.Trainer(plan, model, optimizer(), loss_fn, frozen=_is_frozen)
+    state = trainer.init(jax.random.key(0), batches[0]["inputs"])
+    start = trainer.full_params(state)
+    losses = []
+    for batch in batches:
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    trained = trainer.full_params(state)
+    assert_params_close(trained, jax.tree.map(np.asarray, params))
+    assert np.array_equal(trained["embed"], start["embed"])
+    assert np.array_equal(trained["layers"]["layer"]["wq"], start["layers"]["layer"]["wq"])
+    # No optimizer state for frozen leaves: AdamW keeps two moments of every trained parameter only.
+    frozen_count = initial["embed"].size + initial["layers"]["layer"]["wq"].size
+    trained_count = sum(x.size for x in jax.tree.leaves(initial)) - frozen_count
+    moments = sum(x.size for x in jax.tree.leaves(state.opt_state) if np.ndim(x))
+    assert moments == 2 * trained_count
+    # The compiled step moves exactly the schedule's bytes, which has no gradient collective, reduction
+    # or refresh for the frozen leaves.
+    report = audit.audit_trainer(trainer, batches[0], cost.llama_dims(TINY))
+    assert report.bytes_match, report.table()
+    frozen_ops = [op for path in trainer.params_layout.frozen for op in trainer.schedule.leaves[path].ops()]
+    assert frozen_ops and {op.phase for op in frozen_ops} <= {FORWARD_GATHER, BACKWARD_GATHER, OTHER_GATHER}
+    assert "frozen      2 leaves" in trainer.describe()
