@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
+import logging
 import os
 import sys
 import traceback
@@ -90,6 +91,21 @@ def check_devices(nodes: int, devices_per_node: int) -> None:
         )
 
 
+class _NoCudaOnThisMachine(logging.Filter):
+    """Drops JAX's traceback for its CUDA plugin finding no CUDA: the `gpu-aot` extra installs the plugin
+    to compile for GPUs on machines without one, where JAX then runs on the CPU (each command names the
+    devices it uses), so the traceback says nothing a user can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Keep every record but that one."""
+        error = record.exc_info[1] if record.exc_info else None
+        return not (
+            record.getMessage().startswith("Jax plugin configuration error")
+            and error is not None
+            and "Unable to load CUDA" in str(error)
+        )
+
+
 def _chosen_command(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
@@ -118,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `amsp-jax` script."""
     argv = sys.argv[1:] if argv is None else argv
     simulate_host_devices(argv)
+    logging.getLogger("jax._src.xla_bridge").addFilter(_NoCudaOnThisMachine())
     chosen = _chosen_command(argv)
     prog = f"amsp-jax {chosen}" if chosen in COMMANDS else "amsp-jax"
     try:

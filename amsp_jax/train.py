@@ -41,6 +41,7 @@ from amsp_jax.distributed import is_primary
 from amsp_jax.errors import AmspError, check_field_types, one_line
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from amsp_jax.plan import REMAT_POLICIES, Plan
+from amsp_jax.schedule import accumulates, grad_dtype
 from amsp_jax.space import COMPONENTS, Cluster, Strategy, resolve, zero3
 from amsp_jax.step import Trainer, TrainState
 
@@ -265,27 +266,27 @@ def auto_plan(
             "auto: no hardware config for this cluster (give --cluster, a cluster YAML or name), so zero3",
         )
     from amsp_jax import partitioner
+    from amsp_jax.cost import llama_dims
+    from amsp_jax.planning import choose
 
+    # The same entry point as for any model (`amsp_jax.choose`: the traced leaves and blocks), with the
+    # config's exact dimensions for the FLOP and activation model.
+    example = np.zeros((1, config.seq_len), np.int32)
     try:
-        chosen = partitioner.choose(
-            model,
-            hardware,
-            cluster.nodes,
-            seq_len=config.seq_len,
-            global_batch=config.global_batch,
-            precision=config.precision,
-        )
+        chosen = choose(
+            Llama(model), (example,), hardware, global_batch=config.global_batch, nodes=cluster.nodes,
+            precision=config.precision, dims=llama_dims(model),
+        )  # fmt: skip
     except partitioner.PlanError as error:
         raise ConfigError(f"strategy auto: {error}") from None
-    collectives = "split at node boundaries" if chosen.implementation.hierarchical else "flat"
+    collectives = "split at node boundaries" if chosen.hierarchical else "flat"
     note = (
         f"auto: the partitioner's choice for {hardware.name}, M={chosen.micro_batches}, remat "
         f"{chosen.remat}, {collectives} collectives"
     )
     return PlanChoice(
-        chosen.strategy, chosen.micro_batches, chosen.remat, note,
-        chosen.implementation.hierarchical, chosen.implementation.prefetch,
-    )  # fmt: skip
+        chosen.strategy, chosen.micro_batches, chosen.remat, note, chosen.hierarchical, chosen.prefetch
+    )
 
 
 def choose_plan(
@@ -306,10 +307,12 @@ def describe_plan(trainer: Trainer) -> list[str]:
     """The plan as printed lines: mesh, placements, batch split, precision, replicated leaves, gathering."""
     plan, layout, params = trainer.plan, trainer.layout, trainer.params_layout
     assert params is not None, "call trainer.setup() or init() first"
-    dtype = {"params": plan.precision.param_dtype, "grads": "fp32 accumulation", "opt_state": "fp32"}
+    held = grad_dtype(plan.micro_batches, plan.precision.reduce_dtype)
+    grads = "fp32 accumulation" if accumulates(plan.micro_batches) else held
+    dtype = {"params": plan.precision.param_dtype, "grads": grads, "opt_state": "fp32"}
     what = {
         "params": f"P  ({dtype['params']})",
-        "grads": f"G  ({dtype['grads']}, {plan.precision.reduce_dtype} on the wire)",
+        "grads": f"G  ({dtype['grads']}, reduced in {plan.precision.reduce_dtype})",
         "opt_state": "OS (fp32 master + optimizer state)",
     }
     mesh = " x ".join(f"{name}={size}" for name, size in layout.mesh.shape.items())
