@@ -4,7 +4,8 @@ One Orbax step directory per checkpoint, written under a temporary name and rena
 so a checkpoint is either whole or absent (a save cut short leaves only a `*.orbax-checkpoint-tmp*`
 directory, which Orbax never lists):
 
-  state/  fp32 master weights, optimizer state and step, each with its sharding (a leaf whose split
+  state/  fp32 master weights, optimizer state, step and the carried variable collections (e.g.
+          `batch_stats`), each with its sharding (a leaf whose split
           dimension does not divide is stored padded with zeros; `param_shapes` has its real shape);
           the RNG key data
   meta/   JSON: format, step, parameter shapes, and what the caller adds (model, strategy, cluster,
@@ -118,6 +119,8 @@ class Checkpointer:
             "opt_state": state.opt_state,
             "rng": np.asarray(jax.random.key_data(rng) if _is_key(rng) else rng),
         }
+        if state.collections:
+            tree["collections"] = state.collections
         full_meta = {
             **(meta or {}),
             "format": FORMAT,
@@ -211,6 +214,8 @@ class Checkpointer:
             "opt_state": abstract.opt_state,
             "rng": np.zeros(jax.random.key_data(jax.random.key(0)).shape, np.uint32),
         }
+        if abstract.collections:
+            target["collections"] = abstract.collections
         try:
             # Not strict: leaves whose split dimension does not divide are stored padded with zeros at
             # the end, by as much as the plan's largest group needs; another plan pads another amount
@@ -221,7 +226,9 @@ class Checkpointer:
             )[STATE]
         except Exception as error:
             raise self._damaged(step, error) from error
-        state = trainer.assemble(restored["step"], restored["master"], restored["opt_state"])
+        state = trainer.assemble(
+            restored["step"], restored["master"], restored["opt_state"], restored.get("collections")
+        )
         return Restored(state, np.asarray(restored["rng"]), meta)
 
     def wait(self) -> None:

@@ -44,12 +44,14 @@ class TrainerError(AmspError):
 
 @flax.struct.dataclass
 class TrainState:
-    """The sharded training state: P (compute dtype), fp32 master and optimizer state on OS, step."""
+    """The sharded training state: P (compute dtype), fp32 master and optimizer state on OS, step, and
+    the model's other variable collections (e.g. `batch_stats`; replicated)."""
 
     step: jax.Array
     params: Any
     master: Any
     opt_state: Any
+    collections: Any = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +179,7 @@ class Trainer:
         has_aux: bool = False,
         rng_seed: int | None = None,
         frozen: Callable[[Path], bool] | None = None,
+        collections: tuple[str, ...] = (),
     ) -> None:
         """`loss_fn(params, batch) -> mean loss` over one micro-batch; `params` as `model.init` makes them.
 
@@ -189,6 +192,11 @@ class Trainer:
         `lambda path: path[0] == "embed"`): they are gathered as the others, but get no gradient (no
         reduce-scatter, no reduction), no optimizer state (`optimizer` sees only the trained ones) and
         no refresh; their fp32 master copy stays, for checkpoints and `full_params`.
+        `collections`: variable collections other than `params` the model updates as it trains (e.g.
+        `("batch_stats",)`), carried in the state whole on every device: `loss_fn` gets them as
+        `variables=` (a dict by collection) and returns `(loss, updated)`, or `(loss, (metrics,
+        updated))` with `has_aux`; micro-batches update them in turn, and each step averages the
+        devices' results (integers: their maximum). Blocks gathered per layer must not hold them.
         """
         self.plan = plan
         self.model = model
@@ -198,6 +206,8 @@ class Trainer:
         self.layers = layers
         self.has_aux = has_aux
         self.rng_seed = rng_seed
+        self.collections = tuple(collections)
+        self._abstract_collections: dict[str, Any] = {}
         self._example_inputs: tuple[Any, ...] = ()
         self.layout = make_layout(plan.cluster, plan.strategy, devices)
         self.params_layout: ParamLayout | None = None
@@ -238,11 +248,13 @@ class Trainer:
         opt = optim_state.state_shardings(
             self.optimizer, self._abstract_master(), self.params_layout.leaves, self.layout.mesh
         )
+        whole = NamedSharding(self.layout.mesh, P())
         return TrainState(
-            step=NamedSharding(self.layout.mesh, P()),
+            step=whole,
             params=self._sharding("params"),
             master=master,
             opt_state=opt,
+            collections=jax.tree.map(lambda _: whole, self._abstract_collections),
         )
 
     def _abstract_master(self) -> Any:
@@ -252,7 +264,7 @@ class Trainer:
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state, for restoring a checkpoint onto this plan."""
         shardings = self.state_shardings()
-        abstract = jax.eval_shape(lambda m: self._fresh_state(m), self._abstract_master())
+        abstract = jax.eval_shape(self._fresh_state, self._abstract_master(), self._abstract_collections)
         return jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
         )
@@ -268,8 +280,31 @@ class Trainer:
                     "from an fp32 master copy by its gradient; keep integer state out of the 'params' "
                     "collection (e.g. in a flax variable of another collection, or a constant)"
                 )
+        self._abstract_collections = self._find_collections(found, key, example_inputs)
         self.params_layout = param_layout(self.layout, found, self.frozen)
         self._example_inputs = example_inputs
+
+    def _find_collections(self, found: Layers, key: jax.Array, example_inputs: tuple[Any, ...]) -> dict:
+        """Shapes of the carried collections; an error when one is missing or lives in a gathered block."""
+        if not self.collections:
+            return {}
+        variables = jax.eval_shape(lambda k: self.model.init(k, *example_inputs), key)
+        missing = [c for c in self.collections if c not in variables]
+        if missing:
+            raise TrainerError(
+                f"the model's init makes no {', '.join(missing)} collection (it has: "
+                f"{', '.join(sorted(variables))}); pass collections it has, e.g. collections=('batch_stats',)"
+            )
+        for name in self.collections:
+            for path in _flatten(variables[name]):
+                block = next((b for b in (*found.stacks, *found.blocks) if path[: len(b)] == b), None)
+                if block is not None:
+                    raise TrainerError(
+                        f"{name}/{'/'.join(map(str, path))} lives in {'/'.join(map(str, block))}, a block "
+                        "gathered one layer at a time, which cannot update a collection; gather the whole "
+                        "tree with Trainer(..., layers=())"
+                    )
+        return {name: variables[name] for name in self.collections}
 
     @property
     def example_inputs(self) -> tuple[Any, ...]:
@@ -285,10 +320,12 @@ class Trainer:
         """Pure and jit-able: the initial state from `key` (after `setup`), laid out on the plan's
         shardings. Under your own `jit`, pass `out_shardings=trainer.state_shardings()`."""
         assert self.params_layout is not None, "call setup(key, *example_inputs) first"
-        params = _flatten(self.model.init(key, *self._example_inputs)["params"])
+        variables = self.model.init(key, *self._example_inputs)
+        params = _flatten(variables["params"])
         leaves = self.params_layout.leaves
         master = {p: pad(x.astype(jnp.float32), leaves[p].padded) for p, x in params.items()}
-        state = self._fresh_state(traverse_util.unflatten_dict(master))
+        collections = {name: variables[name] for name in self.collections}
+        state = self._fresh_state(traverse_util.unflatten_dict(master), collections)
         return jax.lax.with_sharding_constraint(state, self.state_shardings())
 
     def step_fn(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -327,28 +364,40 @@ class Trainer:
             {p: pad(np.asarray(flat[p], np.float32), leaves[p].padded) for p in expected}
         )
         master = jax.device_put(host, shardings.master)
-        return jax.jit(self._fresh_state, out_shardings=shardings)(master)
+        collections = self._initial_collections()
+        return jax.jit(self._fresh_state, out_shardings=shardings)(master, collections)
 
-    def assemble(self, step: Any, master: Any, opt_state: Any) -> TrainState:
-        """A state from restored logical parts (P is derived from the master), on this plan's shardings."""
+    def _initial_collections(self) -> dict[str, Any]:
+        """The carried collections as the model's init makes them (key 0)."""
+        if not self.collections:
+            return {}
+        variables = jax.jit(lambda k: self.model.init(k, *self._example_inputs))(jax.random.key(0))
+        return {name: variables[name] for name in self.collections}
+
+    def assemble(self, step: Any, master: Any, opt_state: Any, collections: Any = None) -> TrainState:
+        """A state from restored logical parts (P is derived from the master), on this plan's shardings;
+        `collections` default to the model's initial ones."""
         shardings = self.state_shardings()
+        collections = self._initial_collections() if collections is None else collections
 
-        def build(step: Any, master: Any, opt_state: Any) -> TrainState:
-            return TrainState(jnp.asarray(step, jnp.int32), self._refresh(master), master, opt_state)
+        def build(step: Any, master: Any, opt_state: Any, collections: Any) -> TrainState:
+            params = self._refresh(master)
+            return TrainState(jnp.asarray(step, jnp.int32), params, master, opt_state, collections)
 
         return jax.jit(
             build,
-            in_shardings=(shardings.step, shardings.master, shardings.opt_state),
+            in_shardings=(shardings.step, shardings.master, shardings.opt_state, shardings.collections),
             out_shardings=shardings,
-        )(step, master, opt_state)
+        )(step, master, opt_state, collections)
 
-    def _fresh_state(self, master: Any) -> TrainState:
+    def _fresh_state(self, master: Any, collections: Any) -> TrainState:
         master = jax.lax.with_sharding_constraint(master, self._sharding("opt_state"))
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=self._refresh(master),
             master=master,
             opt_state=self.optimizer.init(master),
+            collections=collections,
         )
 
     def full_params(self, state: TrainState) -> Any:
@@ -391,7 +440,8 @@ class Trainer:
         )(master, only_kept(previous) if kept else {})  # fmt: skip
 
     def _micro_loss(self) -> Callable[..., tuple[jax.Array, Any]]:
-        """`micro_loss(sinks, P blocks, micro-batch, rng) -> (loss, metrics)` for use inside shard_map:
+        """`micro_loss(sinks, P blocks, micro-batch, rng, collections) -> (loss, (metrics, updated
+        collections))` for use inside shard_map:
         gathers P (per layer in stacks and blocks), runs the user's loss, and routes gradients into the
         G-shaped sinks."""
         layout, pl, plan, schedule = self.layout, self.params_layout, self.plan, self.schedule
@@ -444,8 +494,9 @@ class Trainer:
         top_gathers = {p: gather_fn(leaf) for p, leaf in schedule.leaves.items() if not pl.per_layer(p)}
 
         def micro_loss(
-            sinks: dict[Path, jax.Array], blocks: dict[Path, jax.Array], micro_batch: Any, rng: Any
-        ) -> tuple[jax.Array, Any]:
+            sinks: dict[Path, jax.Array], blocks: dict[Path, jax.Array], micro_batch: Any, rng: Any,
+            variables: Any,
+        ) -> tuple[jax.Array, Any]:  # fmt: skip
             # Leaves outside layers: gathered here (loop-invariant: XLA's CPU pipeline hoists them out
             # of the micro-batch loop). A LayerStack's: shards (it gathers each layer). A wrapped
             # block's: (shard, sink) pairs, which its interceptor gathers call by call.
@@ -463,13 +514,17 @@ class Trainer:
                 stack_ops, stack_sinks, policy, remat, frozenset(prefetching), block_ops, Chain()
             )
             params = traverse_util.unflatten_dict(tree)
+            args = (params, micro_batch) if self.rng_seed is None else (params, micro_batch, rng)
+            kwargs = {"variables": variables} if self.collections else {}
             with layer_context(context), linen_blocks():
-                if self.rng_seed is None:
-                    out = self.loss_fn(params, micro_batch)
-                else:
-                    out = self.loss_fn(params, micro_batch, rng)
-            loss, metrics = out if self.has_aux else (out, {})
-            return loss.astype(jnp.float32), jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics)
+                out = self.loss_fn(*args, **kwargs)
+            loss, aux = out if self.has_aux or self.collections else (out, None)
+            if self.collections:
+                metrics, variables = aux if self.has_aux else ({}, aux)
+            else:
+                metrics = aux if self.has_aux else {}
+            metrics = jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics)
+            return loss.astype(jnp.float32), (metrics, variables)
 
         return micro_loss
 
@@ -504,9 +559,11 @@ class Trainer:
         micro = self.plan.micro_batches
         return jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), local_batch)
 
-    def _gradients(self, params: Any, batch: Any, step: jax.Array) -> tuple[Any, jax.Array, Any]:
-        """The summed-then-averaged gradient on OS's placement, mean loss and mean metrics, from P shards
-        and a batch."""
+    def _gradients(
+        self, params: Any, batch: Any, step: jax.Array, variables: Any
+    ) -> tuple[Any, jax.Array, Any, Any]:
+        """The summed-then-averaged gradient on OS's placement, mean loss, mean metrics and the updated
+        collections (averaged over devices), from P shards, a batch and the carried collections."""
         layout, pl, plan, schedule = self.layout, self.params_layout, self.plan, self.schedule
         assert pl is not None
         count = layout.cluster.num_devices * plan.micro_batches
@@ -520,56 +577,68 @@ class Trainer:
             reduced = collectives.execute(g_block.astype(reduce_dtype), schedule.leaves[path].reduction, True)
             return reduced.astype(jnp.float32) / count
 
+        def across_devices(x: jax.Array) -> jax.Array:
+            if jnp.issubdtype(x.dtype, jnp.floating):
+                return (jax.lax.psum(x, all_axes) / layout.cluster.num_devices).astype(x.dtype)
+            return jax.lax.pmax(x, all_axes)
+
         value_and_grad = jax.value_and_grad(micro_loss, has_aux=True)
 
-        def body(param_blocks: Any, local_batch: Any, step: jax.Array) -> tuple[Any, jax.Array, Any]:
+        def body(
+            param_blocks: Any, local_batch: Any, step: jax.Array, variables: Any
+        ) -> tuple[Any, jax.Array, Any, Any]:
             blocks = _flatten(param_blocks)
             split = self._split_micro_batches(local_batch)
             sinks = self._sinks(blocks)
             rngs = self._rngs(step)
+            # Each device updates the collections with its own micro-batches, in turn.
+            variables = jax.tree.map(lambda x: collectives.mark_varying(x, all_axes), variables)
 
-            def micro_step(carry: tuple[dict[Path, jax.Array], Any], xs: Any) -> tuple[Any, None]:
-                accumulated, sums = carry
-                (loss, metrics), grads = value_and_grad(sinks, blocks, *xs)
+            def micro_step(carry: tuple[dict[Path, jax.Array], Any, Any], xs: Any) -> tuple[Any, None]:
+                accumulated, sums, variables = carry
+                (loss, (metrics, variables)), grads = value_and_grad(sinks, blocks, *xs, variables)
                 accumulated = {p: accumulated[p] + grads[p] for p in accumulated}
-                return (accumulated, jax.tree.map(jnp.add, sums, (loss, metrics))), None
+                return (accumulated, jax.tree.map(jnp.add, sums, (loss, metrics)), variables), None
 
             if not schedule.accumulates:
                 # No accumulator: one fp32 G-sized buffer less.
                 only = jax.tree.map(lambda x: x[0], (split, rngs))
-                sums, accumulated = value_and_grad(sinks, blocks, *only)
+                (loss, (metrics, variables)), accumulated = value_and_grad(sinks, blocks, *only, variables)
+                sums = (loss, metrics)
             else:
                 first = jax.tree.map(lambda x: x[0], (split, rngs))
-                shapes = jax.eval_shape(micro_loss, sinks, blocks, *first)
+                loss_shape, (metrics_shape, _) = jax.eval_shape(micro_loss, sinks, blocks, *first, variables)
                 zeros = jax.tree.map(
-                    lambda s: collectives.mark_varying(jnp.zeros(s.shape, s.dtype), all_axes), shapes
+                    lambda s: collectives.mark_varying(jnp.zeros(s.shape, s.dtype), all_axes),
+                    (loss_shape, metrics_shape),
                 )
-                (accumulated, sums), _ = jax.lax.scan(micro_step, (sinks, zeros), (split, rngs))
+                carry = (sinks, zeros, variables)
+                (accumulated, sums, variables), _ = jax.lax.scan(micro_step, carry, (split, rngs))
             grads = {p: to_opt_state(p, g) for p, g in accumulated.items()}
             loss, metrics = jax.tree.map(lambda x: jax.lax.psum(x, all_axes) / count, sums)
-            return traverse_util.unflatten_dict(grads), loss, metrics
+            return traverse_util.unflatten_dict(grads), loss, metrics, jax.tree.map(across_devices, variables)
 
         specs = lambda comp: pl.tree(lambda _, leaf: leaf.specs[comp])  # noqa: E731
         batch_specs = jax.tree.map(lambda x: batch_spec(layout, x.ndim), batch)
         return jax.shard_map(
             body,
             mesh=layout.mesh,
-            in_specs=(specs("params"), batch_specs, P()),
-            out_specs=(specs("opt_state"), P(), P()),
-        )(params, batch, step)
+            in_specs=(specs("params"), batch_specs, P(), P()),
+            out_specs=(specs("opt_state"), P(), P(), P()),
+        )(params, batch, step, variables)
 
-    def _eval_loss(self, params: Any, batch: Any, step: jax.Array) -> jax.Array:
+    def _eval_loss(self, params: Any, batch: Any, step: jax.Array, variables: Any) -> jax.Array:
         """Mean loss of a batch, forward only, gathering P as the step does (per layer in stacks)."""
         layout, pl = self.layout, self.params_layout
         assert pl is not None
         micro_loss = self._micro_loss()
         count = layout.cluster.num_devices * self.plan.micro_batches
 
-        def body(param_blocks: Any, local_batch: Any, step: jax.Array) -> jax.Array:
+        def body(param_blocks: Any, local_batch: Any, step: jax.Array, variables: Any) -> jax.Array:
             blocks = _flatten(param_blocks)
             sinks = self._sinks(blocks)
             losses = jax.lax.map(
-                lambda xs: micro_loss(sinks, blocks, *xs)[0],
+                lambda xs: micro_loss(sinks, blocks, *xs, variables)[0],
                 (self._split_micro_batches(local_batch), self._rngs(step)),
             )
             return jax.lax.psum(losses.sum(), layout.all_axes) / count
@@ -577,8 +646,8 @@ class Trainer:
         specs = pl.tree(lambda _, leaf: leaf.specs["params"])
         batch_specs = jax.tree.map(lambda x: batch_spec(layout, x.ndim), batch)
         return jax.shard_map(
-            body, mesh=layout.mesh, in_specs=(specs, batch_specs, P()), out_specs=P()
-        )(params, batch, step)
+            body, mesh=layout.mesh, in_specs=(specs, batch_specs, P(), P()), out_specs=P()
+        )(params, batch, step, variables)
 
     def evaluate(self, state: TrainState, batch: Any) -> jax.Array:
         """Mean loss of a global batch under the current P, without gradients (e.g. held-out loss)."""
@@ -587,10 +656,12 @@ class Trainer:
             batch = self.shard_batch(batch)
         if self._evaluate is None:
             self._evaluate = jax.jit(self._eval_loss, out_shardings=NamedSharding(self.layout.mesh, P()))
-        return self._evaluate(state.params, batch, state.step)
+        return self._evaluate(state.params, batch, state.step, state.collections)
 
     def _train_step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        grads, loss, metrics = self._gradients(state.params, batch, state.step)
+        grads, loss, metrics, collections = self._gradients(
+            state.params, batch, state.step, state.collections
+        )
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.master)
         master = self._zero_padding(optax.apply_updates(state.master, updates))
@@ -600,7 +671,9 @@ class Trainer:
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
         master = jax.tree.map(keep, master, state.master)
         opt_state = jax.tree.map(keep, opt_state, state.opt_state)
-        new_state = TrainState(state.step + 1, self._refresh(master, state.params), master, opt_state)
+        collections = jax.tree.map(keep, collections, state.collections)
+        params = self._refresh(master, state.params)
+        new_state = TrainState(state.step + 1, params, master, opt_state, collections)
         return new_state, {**metrics, "loss": loss, "grad_norm": grad_norm}
 
     def _zero_padding(self, master: Any) -> Any:
@@ -727,6 +800,12 @@ class Trainer:
             lines.append(
                 f"frozen      {len(pl.frozen)} leaves ({count:,} parameters): gathered, never reduced, "
                 f"updated or refreshed; no optimizer state: {names}{' ...' if len(pl.frozen) > 4 else ''}"
+            )
+        if self.collections:
+            count = sum(math.prod(x.shape) for x in jax.tree.leaves(self._abstract_collections))
+            lines.append(
+                f"carried     {', '.join(self.collections)} ({count:,} values): whole on every device, "
+                "updated by each micro-batch in turn, averaged over devices each step"
             )
         two = ["/".join(map(str, p)) for p, leaf in pl.leaves.items() if leaf.minor_dim is not None]
         if two:

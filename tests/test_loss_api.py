@@ -1,5 +1,5 @@
-"""A loss as users write it: metrics out of the step, an RNG for dropout, frozen parameters, and the
-pure step functions.
+"""A loss as users write it: metrics out of the step, an RNG for dropout, frozen parameters, carried
+collections (BatchNorm's statistics), and the pure step functions.
 
 The dropout reference is plain `jax.grad` on one device over the same micro-batches and keys: the
 global batch cut into the devices' slices in order, each slice into micro-batches, and the key of
@@ -8,6 +8,7 @@ each from `amsp_jax.rng_for(seed, step, micro_batch, slice)`.
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 
 import amsp_jax as aj
 from amsp_jax import audit, cost
+from amsp_jax.checkpoint import Checkpointer
 from amsp_jax.models.llama import Llama, cross_entropy, make_loss_fn
 from amsp_jax.schedule import BACKWARD_GATHER, FORWARD_GATHER, OTHER_GATHER
 from tests import model_zoo
@@ -166,3 +168,89 @@ def test_frozen_parameters_train_like_optax_multi_transform_and_move_no_gradient
     frozen_ops = [op for path in trainer.params_layout.frozen for op in trainer.schedule.leaves[path].ops()]
     assert frozen_ops and {op.phase for op in frozen_ops} <= {FORWARD_GATHER, BACKWARD_GATHER, OTHER_GATHER}
     assert "frozen      2 leaves" in trainer.describe()
+
+
+class BatchNormMLP(nn.Module):
+    """A model with a `batch_stats` collection (BatchNorm's running mean and variance).
+
+    No bias before the norm (as usual): its true gradient is zero, so its computed one is rounding noise
+    that Adam turns into lr-sized steps, different in every summation order.
+    """
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Dense(32, use_bias=False)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.8)(x)
+        return nn.Dense(4)(jax.nn.relu(x))
+
+
+def batch_norm_loss(model):
+    def loss(params, batch, variables):
+        out, updated = model.apply(
+            {"params": params, **variables}, batch["x"], True, mutable=["batch_stats"]
+        )
+        return jnp.mean((out - batch["y"]) ** 2), updated
+
+    return loss
+
+
+@pytest.mark.parametrize(("strategy", "micro_batches"), [("zero3", 3), ("p=2x1,g=4x1,os=4x2", 1)])
+def test_batch_stats_are_carried_and_averaged_like_the_per_device_reference(
+    strategy, micro_batches, tmp_path
+):
+    model, devices = BatchNormMLP(), CLUSTER.num_devices
+    loss_fn = batch_norm_loss(model)
+    rng = np.random.default_rng(3)
+    # 16 rows per micro-batch: BatchNorm's gradient over a handful of rows is ill-conditioned enough to
+    # turn fp32 rounding of another summation order into 1e-5 differences.
+    batches = [
+        {"x": rng.normal(size=(384, 8)).astype(np.float32), "y": rng.normal(size=(384, 4)).astype(np.float32)}
+        for _ in range(3)
+    ]
+    # Reference on one device: every device runs its micro-batches in turn from the step's statistics;
+    # the step's new statistics are the devices' mean, its gradient the mean over all micro-batches.
+    variables = model.init(jax.random.key(0), batches[0]["x"], True)
+    params, stats = variables["params"], {"batch_stats": variables["batch_stats"]}
+    opt = optimizer()
+    opt_state = opt.init(params)
+    expected = []
+    for batch in batches:
+        size = batch["x"].shape[0] // (devices * micro_batches)
+        results, ends = [], []
+        for shard in range(devices):
+            own = stats
+            for micro in range(micro_batches):
+                start = (shard * micro_batches + micro) * size
+                chunk = jax.tree.map(lambda x, start=start, size=size: x[start : start + size], batch)
+                (loss, own), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, chunk, own)
+                results.append((loss, grads))
+            ends.append(own)
+        loss, grads = jax.tree.map(lambda *xs: sum(xs) / len(xs), *results)
+        stats = jax.tree.map(lambda *xs: sum(xs) / len(xs), *ends)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        expected.append(float(loss))
+
+    plan = aj.Plan(CLUSTER, aj.resolve(strategy, CLUSTER), micro_batches, precision="fp32")
+    trainer = aj.Trainer(plan, model, optimizer(), loss_fn, collections=("batch_stats",))
+    state = trainer.init(jax.random.key(0), batches[0]["x"], True)
+    losses = []
+    for batch in batches:
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    assert_params_close(trainer.full_params(state), jax.tree.map(np.asarray, params))
+    carried = jax.tree.map(np.asarray, state.collections)
+    jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6), carried, stats)
+    assert "carried     batch_stats (64 values)" in trainer.describe()
+    # The statistics are part of the checkpoint and come back onto another plan.
+    checkpoints = Checkpointer(tmp_path, async_save=False)
+    checkpoints.save(trainer, state, jax.random.key(0))
+    other_plan = aj.Plan(CLUSTER, aj.zero1(CLUSTER), 1, precision="fp32")
+    other = aj.Trainer(other_plan, model, optimizer(), loss_fn, collections=("batch_stats",))
+    other.setup(jax.random.key(0), batches[0]["x"], True)
+    try:
+        restored = checkpoints.restore(other).state
+    finally:
+        checkpoints.close()
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored.collections), carried)
