@@ -185,6 +185,15 @@ def hsdp(cluster: Cluster) -> Strategy:
     return mics(cluster)
 
 
+# The placements AMSP chose for LLaMA on 128 nodes of 8 A800s (arXiv 2311.00257, "AMSP: Reducing
+# Communication Overhead of ZeRO for Efficient LLM Training", section 6), as (s0, s1) = (intra, inter)
+# per component; the same from 8 to 1,024 GPUs. The paper publishes none for 65B.
+AMSP_PUBLISHED = {
+    "llama-7b": "p=1x1,g=1x1,os=8x1",
+    "llama-13b": "p=4x1,g=4x1,os=8x1",
+    "llama-30b": "p=8x1,g=8x1,os=8x4",
+}
+
 PRESETS = {"ddp": ddp, "zero1": zero1, "zero2": zero2, "zero3": zero3, "mics": mics, "hsdp": hsdp}
 
 

@@ -25,17 +25,12 @@ from amsp_jax import audit, cost
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from amsp_jax.plan import Plan
 from amsp_jax.sharding import plan_axes
-from amsp_jax.space import PRESETS, Cluster, Strategy, preset
+from amsp_jax.space import AMSP_PUBLISHED, PRESETS, Cluster, Strategy, preset
 from amsp_jax.step import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_STRATEGIES = ["p=1x1,g=1x1,os=4x1", "p=2x1,g=2x1,os=4x1", "p=4x1,g=4x1,os=4x2"]
-# AMSP's published choices at 1024 GPUs, as (intra, inter) = (s0, s1).
-AMSP_CHOICES = {
-    "AMSP 7B choice": "p=1x1,g=1x1,os=8x1",
-    "AMSP 13B choice": "p=4x1,g=4x1,os=8x1",
-    "AMSP 30B choice": "p=8x1,g=8x1,os=8x4",
-}
+AMSP_CHOICES = {f"AMSP {name.removeprefix('llama-').upper()} choice": s for name, s in AMSP_PUBLISHED.items()}
 
 
 def _strategy(name: str, cluster: Cluster) -> Strategy:

@@ -32,18 +32,12 @@ from amsp_jax import audit, cost, gpu_target, xla
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from amsp_jax.plan import Plan
 from amsp_jax.sharding import plan_axes
-from amsp_jax.space import PRESETS, Cluster, Strategy, ddp, preset
+from amsp_jax.space import AMSP_PUBLISHED, PRESETS, Cluster, Strategy, ddp, preset
 from amsp_jax.step import Trainer
 from benchmarks import peer_gspmd
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
-# AMSP's published placements (arXiv 2311.00257, Table 5) for 8 GPUs per node.
-AMSP_CHOICES = {
-    "llama-7b": "p=1x1,g=1x1,os=8x1",
-    "llama-13b": "p=2x1,g=2x1,os=8x1",
-    "llama-30b": "p=8x1,g=8x1,os=8x2",
-}
 PRESET_ROWS = ("zero1", "zero2", "zero3", "mics")
 NOTES_MARKER = "<!-- findings: kept when the tables are regenerated -->"
 
@@ -175,7 +169,7 @@ def main() -> None:
     out = Path(args.out)
     for name in args.models:
         config = LlamaConfig.from_yaml(REPO / "configs" / "models" / f"{name}.yaml")
-        plans = [*PRESET_ROWS, AMSP_CHOICES[name]] if name in AMSP_CHOICES else list(PRESET_ROWS)
+        plans = [*PRESET_ROWS, AMSP_PUBLISHED[name]] if name in AMSP_PUBLISHED else list(PRESET_ROWS)
         plans += [e.partition("=")[2] for e in args.extra if e.partition("=")[0] == name]
         rows = results.setdefault(name, [])
         for plan in plans:

@@ -22,7 +22,7 @@ from amsp_jax import partitioner as pt
 from amsp_jax.cluster_config import ClusterConfig, load
 from amsp_jax.models.llama import LlamaConfig
 from amsp_jax.plan import REMAT_POLICIES
-from amsp_jax.space import Strategy
+from amsp_jax.space import AMSP_PUBLISHED, Strategy
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -32,11 +32,6 @@ NODES = (1, 2, 4, 8, 16, 32, 64, 128, 1024)
 AMSP_NODES = 128  # AMSP's test bed: 128 nodes of 8 A800s
 SEQ_LEN = 4096
 GLOBAL_BATCH_TOKENS = 4 * 2**20
-AMSP_CHOICES = {  # (s0, s1) per component, as published; none for 65B
-    "llama-7b": "p=1x1,g=1x1,os=8x1",
-    "llama-13b": "p=4x1,g=4x1,os=8x1",
-    "llama-30b": "p=8x1,g=8x1,os=8x4",
-}
 COLUMNS = ("chosen", "amsp", *pt.PRESET_ROWS)
 STYLES = {
     "chosen": {"lw": 3, "color": "black"},
@@ -64,10 +59,10 @@ def evaluate_point(model: LlamaConfig, name: str, nodes: int) -> dict[str, pt.Ev
         row["chosen"] = pt.plan(request, terms)
     except pt.PlanError:
         row["chosen"] = None
-    if name not in AMSP_CHOICES:
+    if name not in AMSP_PUBLISHED:
         row["amsp"] = None
         return row
-    amsp = Strategy.parse(AMSP_CHOICES[name])
+    amsp = Strategy.parse(AMSP_PUBLISHED[name])
     try:
         amsp.validate(request.cluster.cluster())
     except ValueError:
@@ -121,7 +116,7 @@ def amsp_setting(table: dict[str, dict[int, dict[str, pt.Evaluated | None]]]) ->
         "| model | placement | " + " | ".join(REMAT_POLICIES) + " |",
         "|---|---|" + "---|" * len(REMAT_POLICIES),
     ]
-    for name, strategy in AMSP_CHOICES.items():
+    for name, strategy in AMSP_PUBLISHED.items():
         model = LlamaConfig.from_yaml(ROOT / "configs" / "models" / f"{name}.yaml")
         request = amsp_request(model, hardware, AMSP_NODES)
         cells = []
