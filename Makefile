@@ -1,5 +1,5 @@
 # The two set-up commands of the README: each makes .venv when missing, installs the project, and runs.
-# Tests run in two worker processes (pytest-xdist): XLA compiles on one core, so two keep CI's two busy.
+# Tests run in two worker processes (pytest-xdist), an idle one taking tests queued for the other.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 .PHONY: test demo
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n 2
+	$(BIN)/python -m pytest -n 2 --dist worksteal
 
 demo: $(STAMP)
 	$(BIN)/amsp-jax train --config configs/train/demo.yaml
