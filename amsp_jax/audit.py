@@ -264,7 +264,9 @@ class Report:
         lines.append(
             f"memory per device: predicted {mem.total:,} B (P {mem.params:,}, G {mem.grads:,}, "
             f"OS {mem.master + mem.opt_state:,}, gathered {mem.gathered:,}, activations {mem.activations:,}, "
-            f"temporaries {mem.temporaries:,}); compiled {self.measured.memory_bytes:,} B "
+            f"accumulation {mem.accumulation:,}; update {mem.update:,}: the larger peak, "
+            f"{'backward' if mem.backward_peak >= mem.update_peak else 'update'}); "
+            f"compiled {self.measured.memory_bytes:,} B "
             f"(ratio {self.memory_ratio:.2f}, bound ±{MEMORY_TOLERANCE:.0%})"
         )
         lines.append(f"scalar reductions (loss, norms; not compared): {self.measured.scalar_bytes():,} B")

@@ -38,15 +38,17 @@ def prefetched_scan(
     """
     length = jax.tree.leaves(stacked)[0].shape[0]
 
-    def forward(x: jax.Array, stacked: Tree, args: tuple[Any, ...]) -> tuple[jax.Array, jax.Array]:
+    def forward(x: jax.Array, stacked: Tree, args: tuple[Any, ...]) -> tuple[jax.Array, Any]:
+        """The output and the saved layer inputs: the loop's stacked ones (layers 0 .. L-2) and the last
+        layer's apart (joining them would copy every saved input once more at the memory peak)."""
+
         def body(carry: tuple[jax.Array, Tree], index: jax.Array) -> tuple[tuple[jax.Array, Tree], jax.Array]:
             h, weights = carry
             following = gather(_layer(stacked, index + 1))
             return (layer_fn(h, weights, args), following), h
 
         (h, last), inputs = jax.lax.scan(body, (x, gather(_layer(stacked, 0))), jnp.arange(length - 1))
-        inputs = jnp.concatenate([inputs, h[None]], axis=0) if length > 1 else h[None]
-        return layer_fn(h, last, args), inputs
+        return layer_fn(h, last, args), (inputs, h)
 
     @jax.custom_vjp
     def run(x: jax.Array, stacked: Tree, sinks: Tree, args: tuple[Any, ...]) -> jax.Array:
@@ -61,27 +63,29 @@ def prefetched_scan(
     def run_backward(saved: Any, dy: jax.Array) -> tuple[jax.Array, None, Tree, None]:
         inputs, stacked, args = saved
 
-        def layer_grads(index: int | jax.Array, weights: Tree, dy: jax.Array) -> tuple[jax.Array, Tree]:
-            _, vjp = jax.vjp(lambda h, w: layer_fn(h, w, args), _layer(inputs, index), weights)
+        looped_inputs, last_input = inputs
+
+        def layer_grads(h: jax.Array, weights: Tree, dy: jax.Array) -> tuple[jax.Array, Tree]:
+            _, vjp = jax.vjp(lambda h, w: layer_fn(h, w, args), h, weights)
             dx, dweights = vjp(dy)
             return dx, reduce(dweights)
 
         last = length - 1
-        dx, last_grads = layer_grads(last, gather(_layer(stacked, last)), dy)
+        dx, last_grads = layer_grads(last_input, gather(_layer(stacked, last)), dy)
         if length == 1:
             return dx, None, jax.tree.map(lambda g: g[None], last_grads), None
 
         def body(carry: tuple[jax.Array, Tree], index: jax.Array) -> tuple[tuple[jax.Array, Tree], Tree]:
             dy, weights = carry
             preceding = gather(_layer(stacked, index - 1))
-            dx, grads = layer_grads(index, weights, dy)
+            dx, grads = layer_grads(_layer(looped_inputs, index), weights, dy)
             return (dx, preceding), grads
 
         # Layers last-1 .. 1 each fetch their predecessor; layer 0 is peeled so nothing is fetched twice.
         (dx, weights), middle = jax.lax.scan(
             body, (dx, gather(_layer(stacked, last - 1))), jnp.arange(last - 1, 0, -1)
         )
-        dx, first_grads = layer_grads(0, weights, dx)
+        dx, first_grads = layer_grads(_layer(looped_inputs, 0), weights, dx)
         stacked_grads = jax.tree.map(
             lambda first, middle, final: jnp.concatenate([first[None], middle[::-1], final[None]], axis=0),
             first_grads,

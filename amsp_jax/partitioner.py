@@ -16,8 +16,8 @@ share, a fraction of a per mille for LLaMA; `evaluate` prices a plan by the full
 profile, the step is
 
     P terms (p, π)     forward gathers, backward re-gathers, other-leaf gathers; P and gathered memory
-    G terms (g, π)     per-micro-batch reduce-scatters; G memory (and the same again as temporaries)
-    OS terms (o, π)    master and moments memory (master again as the update's temporary); update time
+    G terms (g, π)     per-micro-batch reduce-scatters; G memory (with an accumulator, once more beside it)
+    OS terms (o, π)    master and moments memory (master again in the update's peak); update time
     pair (g, o, π)     the once-per-step reduction onto OS
     pair (p, o, π)     the P refresh from the new master
     (b, r)             compute, activations; the per-micro-batch terms scale with M = n / b
@@ -194,7 +194,8 @@ class Terms:
     prefetch_memory: dict[tuple[Placement, int], float]
     g_memory: dict[tuple[Placement, int], float]  # G with an accumulator (fp32), one of two copies
     g_single_memory: dict[tuple[Placement, int], float]  # G with one micro-batch (the reduce dtype)
-    os_memory: dict[tuple[Placement, int], float]
+    os_memory: dict[tuple[Placement, int], float]  # master and moments
+    os_update_memory: dict[tuple[Placement, int], float]  # the update's new master
     activations: dict[tuple[int, str], float]
     compute: dict[tuple[int, str], timing.Compute]
     memory_limit: float
@@ -240,17 +241,25 @@ class Terms:
         )
 
     def memory(self, choice: Choice, extra_params: Placement | None = None) -> float:
-        """Bytes per device of `choice`; `extra_params` adds a second P copy of that placement."""
+        """Bytes per device of `choice` (the larger of the backward and update peaks, as
+        `cost.Memory.total`); `extra_params` adds a second P copy of that placement."""
         s, b, r = choice.strategy, choice.micro_batch_size, choice.remat
         pi = self.profile(s)
         m = dict(self.batchings)[b]
-        total = (
+        accumulating = accumulates(m)
+        grads = self.g_memory[(s.grads, pi)] if accumulating else self.g_single_memory[(s.grads, pi)]
+        states = self.os_memory[(s.opt_state, pi)] + grads
+        backward = (
             self.p_memory[(s.params, pi, r)]
             + (self.prefetch_memory[(s.params, pi)] if self.request.prefetches(m, r) else 0.0)
-            + (2 * self.g_memory[(s.grads, pi)] if accumulates(m) else self.g_single_memory[(s.grads, pi)])
-            + self.os_memory[(s.opt_state, pi)]
+            + (self.g_memory[(s.grads, pi)] if accumulating else 0.0)  # the micro-batch's gradient
+            + states
             + self.activations[(b, r)]
         )
+        update = (
+            self.p_memory[(s.params, pi, "params only")] + states + self.os_update_memory[(s.opt_state, pi)]
+        )
+        total = max(backward, update)
         if extra_params is not None:
             total += self.p_memory[(extra_params, pi, "params only")]
         return total
@@ -337,7 +346,7 @@ def build_terms(request: Request) -> Terms:
     # prefetch loop's extra gathered layer is the difference of one micro-batch with and without it.
     p_memory: dict[tuple[Placement, int, str], float] = {}
     prefetch_memory: dict[tuple[Placement, int], float] = {}
-    g_memory, g_single_memory, os_memory, optimizer = {}, {}, {}, {}
+    g_memory, g_single_memory, os_memory, os_update_memory, optimizer = {}, {}, {}, {}, {}
     workloads = {r: request.workload(micro_batches=2, remat=r) for r in remats}
     looped = request.workload(micro_batches=1, remat="full")
     looped = looped.with_(implementation=dataclasses.replace(request.implementation, prefetch=True))
@@ -354,7 +363,8 @@ def build_terms(request: Request) -> Terms:
         g_memory[(x, pi)] = float(first.grads)  # one micro-batch's gradient; the accumulator doubles it
         g_single_memory[(x, pi)] = float(single.grads)
         as_os = memory(plan_axes(cluster, Strategy(t, t, x)), workloads[remats[0]])
-        os_memory[(x, pi)] = float(2 * as_os.master + as_os.opt_state)  # master, moments, the update
+        os_memory[(x, pi)] = float(as_os.master + as_os.opt_state)
+        os_update_memory[(x, pi)] = float(as_os.update)
         optimizer[(x, pi)] = timing.optimizer_time(as_os, base.precision.param_bytes, hardware)
     # The optimizer update's collectives (Muon's, Adafactor's) depend on the dimension each leaf is split
     # along, which the largest group's degree sets: one term per (OS, largest group) pair.
@@ -390,6 +400,7 @@ def build_terms(request: Request) -> Terms:
         g_memory=g_memory,
         g_single_memory=g_single_memory,
         os_memory=os_memory,
+        os_update_memory=os_update_memory,
         activations=activations,
         compute=compute,
         memory_limit=hardware.memory_limit,
@@ -519,6 +530,13 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
     mem += total(terms.g_single_memory[(q, pi)] / GIB * z[("G", q, pi)] for q, pi in terms.possible)
     mem += total(terms.os_memory[(q, pi)] / GIB * z[("OS", q, pi)] for q, pi in terms.possible)
     mem += total(terms.activations[k] / GIB * w[k] for k in w)
+    # The update's peak (`cost.Memory.update_peak`): model states and the new master, no activations.
+    update_mem = total(
+        terms.p_memory[(q, pi, "params only")] / GIB * z[("P", q, pi)]
+        + terms.g_single_memory[(q, pi)] / GIB * z[("G", q, pi)]
+        + (terms.os_memory[(q, pi)] + terms.os_update_memory[(q, pi)]) / GIB * z[("OS", q, pi)]
+        for q, pi in terms.possible
+    )
     # The schedule's rules as products of binaries: G counts twice in fp32 with an accumulator, and the
     # prefetch loop holds one more gathered layer for the (batching, remat) pairs that run it.
     micro = dict(terms.batchings)
@@ -529,6 +547,7 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
         prob += accumulator >= z[("G", q, pi)] - no_accumulator
         # With an accumulator G is two fp32 copies in place of one in the reduce dtype.
         mem += (2 * terms.g_memory[(q, pi)] - terms.g_single_memory[(q, pi)]) / GIB * accumulator
+        update_mem += (terms.g_memory[(q, pi)] - terms.g_single_memory[(q, pi)]) / GIB * accumulator
         if terms.prefetch_memory[(q, pi)]:
             held = product(f"pf_{q}_{pi}")
             prob += held >= z[("P", q, pi)] + prefetching - 1
@@ -544,6 +563,7 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
                 mem += extra * v
     if math.isfinite(terms.memory_limit):
         prob += mem <= terms.memory_limit / GIB
+        prob += update_mem <= terms.memory_limit / GIB
 
     # Step time: compute + optimizer + one exposed-time variable per overlap window, bounded below by
     # both arms of `timing.exposed` (exact at the optimum, where it sits on the larger one).
