@@ -166,8 +166,10 @@ class LeafLayout:
 
     def block_shape(self, layout: AxisPlan, component: str) -> tuple[int, ...]:
         """The shape of one device's block of this leaf under `component`'s placement."""
+        if self.dim is None:
+            return self.shape
         shape = list(self.padded)
-        for axis, dim in self.dims_of(layout.axes(component)).items() if self.dim is not None else ():
+        for axis, dim in self.dims_of(layout.axes(component)).items():
             shape[dim] //= layout.axis_size(axis)
         return tuple(shape)
 

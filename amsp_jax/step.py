@@ -814,8 +814,9 @@ class Trainer:
                 f"two dims    {len(two)} leaves split over two dimensions (no one dimension divides; a "
                 f"node's devices split one, the nodes the other): {', '.join(two[:4])}{more}"
             )
-        if pl.padding():
-            lines.append(f"padded      {pl.padding()}")
+        padding = pl.padding()
+        if padding:
+            lines.append(f"padded      {padding}")
         return "\n".join(lines)
 
     def step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:

@@ -334,8 +334,9 @@ def describe_plan(trainer: Trainer) -> list[str]:
         lines.append(f"replicated  {len(replicated)} leaves ({count:,} parameters) whole everywhere: {names}")
     else:
         lines.append("replicated  none")
-    if params.padding():
-        lines.append(f"padded      {params.padding()}")
+    padding = params.padding()
+    if padding:
+        lines.append(f"padded      {padding}")
     per_layer = [p for p in sizes if params.per_layer(p)]
     if not layout.axes("params"):
         lines.append("gathering   none: P is replicated, every device holds all of it")
