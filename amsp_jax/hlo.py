@@ -672,3 +672,69 @@ def overlaps(hlo_text: str) -> dict[str, Overlap]:
             is_sync = bool(_IS_SYNC.search(start.attrs.get("backend_config", "")))
             found[ins.name] = Overlap(ins.name, comp_name, True, is_sync, compute, kernels)
     return found
+
+
+# Kernels that neither move memory of their own nor compute: structure, aliases and scalars.
+_NO_TRAFFIC = {
+    "parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while", "call", "conditional",
+    "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "add-dependency", "domain",
+}  # fmt: skip
+
+
+def _in_place_update(ins: _Instruction, computations: Mapping[str, Mapping[str, _Instruction]]) -> int:
+    """Bytes a dynamic-update-slice kernel does not touch: it writes its update into its operand's buffer
+    in place, so the rest of that buffer is neither read nor written (0 for any other kernel)."""
+    if ins.opcode == "dynamic-update-slice":
+        body, update = None, ins
+    elif ins.opcode == "fusion":
+        body = computations.get(_names(ins.attrs.get("calls", ""))[0], {})
+        update = body.get(_root(body)) if body else None
+        if update is None or update.opcode != "dynamic-update-slice":
+            return 0
+    else:
+        return 0
+    try:
+        written = _operand_bytes(update.operands[1], body or {}, update.name)
+    except ValueError:
+        return 0
+    return 2 * (_array_bytes(ins.shape) - written)
+
+
+def memory_traffic(hlo_text: str) -> int:
+    """Bytes per run that the memory-bound kernels of a compiled program read and write.
+
+    Every kernel that runs — a fusion without a dot or convolution, a copy, convert, broadcast or other
+    elementwise op — counts its operands and its result once per execution (loop trip counts applied);
+    a dynamic-update-slice counts only its update, since it writes in place. Matrix work, collectives
+    and bookkeeping (tuples, parameters, bitcasts) are left out: the time model prices them apart.
+    It is what a device's memory passes cost on a backend that runs each kernel from memory (XLA:CPU).
+    """
+    computations, entry = _parse_module(hlo_text)
+    counts, _ = _execution_counts(computations, entry)
+    inlined = {
+        callee
+        for body in computations.values()
+        for ins in body.values()
+        for key in ("calls", "to_apply")
+        if ins.opcode not in ("call", "while", "conditional") or key == "calls"
+        for callee in _names(ins.attrs.get(key, ""))
+    }
+    matrix = {
+        name for name, body in computations.items() if any(i.opcode in _MATRIX_OPCODES for i in body.values())
+    }
+    total = 0
+    for name, body in computations.items():
+        if name in inlined or not counts.get(name):
+            continue
+        for ins in body.values():
+            if (
+                ins.opcode in _NO_TRAFFIC
+                or ins.opcode in _MATRIX_OPCODES
+                or ins.opcode in _COLLECTIVE_OPCODES
+                or ins.opcode in _DONE_OPCODES
+                or (ins.opcode == "fusion" and _names(ins.attrs.get("calls", ""))[0] in matrix)
+            ):
+                continue
+            touched = _array_bytes(ins.shape) + sum(_operand_bytes(o, body, ins.name) for o in ins.operands)
+            total += counts[name] * (touched - _in_place_update(ins, computations))
+    return total

@@ -14,6 +14,7 @@ from amsp_jax.hlo import (
     bytes_per_device,
     crosses,
     expand_replica_groups,
+    memory_traffic,
     overlaps,
     parse_collectives,
 )
@@ -635,3 +636,42 @@ def test_overlaps_of_an_async_wrapper_and_of_a_loop_holding_compute():
     assert found["rs"].computation == "wrapped_rs"
     assert found["rs"].compute == ("between", "loop")
     assert found["rs"].hidden
+
+
+def _traffic(fn, *args, **jit_kwargs) -> int:
+    return memory_traffic(jax.jit(fn, **jit_kwargs).lower(*args).compile().as_text())
+
+
+def test_memory_traffic_counts_each_kernels_reads_and_writes():
+    mib = 2**20
+    x = jnp.ones((mib // 4,), jnp.float32)
+    # One fused kernel reads two fp32 MiB and writes one bf16 half-MiB.
+    assert _traffic(lambda x, y: (x * 2 + y).astype(jnp.bfloat16), x, x) == 2 * mib + mib // 2
+
+
+def test_memory_traffic_counts_every_trip_of_a_loop():
+    x = jnp.ones((2**18,), jnp.float32)  # 1 MiB
+
+    def loop(trips):
+        return lambda x: jax.lax.fori_loop(0, trips, lambda i, c: c * 1.5 + 1.0, x)
+
+    # Each trip reads and writes the carry once: 2 MiB more per trip (and the loop counter's few bytes),
+    # whatever XLA adds around the loop.
+    extra = _traffic(loop(9), x) - _traffic(loop(5), x)
+    assert 4 * 2 * 2**20 <= extra < 4 * 2 * 2**20 + 1024
+
+
+def test_memory_traffic_counts_an_in_place_update_by_its_slice():
+    buffer, row = jnp.ones((16, 2**16), jnp.float32), jnp.ones((2**16,), jnp.float32)  # 4 MiB, 256 KiB
+
+    def updates(trips):
+        def fn(buffer, row):
+            step = lambda i, b: jax.lax.dynamic_update_slice(b, (row * i)[None], (i, 0))  # noqa: E731
+            return jax.lax.fori_loop(0, trips, step, buffer)
+
+        return fn
+
+    # A trip reads the row and writes one row of the buffer in place (XLA may stage the scaled row in a
+    # temporary of its own), never the whole 4 MiB buffer.
+    traffic = {trips: _traffic(updates(trips), buffer, row, donate_argnums=0) for trips in (4, 8)}
+    assert 4 * 2 * 2**18 <= traffic[8] - traffic[4] < 4 * 4 * 2**18
