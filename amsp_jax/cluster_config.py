@@ -20,6 +20,9 @@ smallest one costs (latency-bound), above the largest the bandwidth stays flat.
              hbm_bandwidth}
     overlap: {enabled, reduction_fraction, interference}   # enabled: false where collectives block compute
     latency: {base_us, intra_hop_us, inter_hop_us}   # optional: NCCL-style ring latency per op
+    memory_passes: {bandwidth_gbps, step_overhead_ms, params, grads, opt_state, model, activations}
+                                  # optional, written by `amsp-jax profile`: bytes the step's memory-bound
+                                  # kernels touch per byte of each block, and the bandwidth they reach
     bandwidth:
       all-gather | reduce-scatter | all-reduce:
         intra | inter: [[SIZE, GB_PER_S], ...]    # SIZE: bytes, or e.g. "1MiB"
@@ -42,6 +45,9 @@ from amsp_jax.errors import one_line
 from amsp_jax.space import Cluster
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+# The blocks a step's memory-bound kernels pass over (amsp_jax.timing.memory_pass_times).
+PASS_BLOCKS = ("params", "grads", "opt_state", "model", "activations")
+PASS_KEYS = ("bandwidth_gbps", "step_overhead_ms", *PASS_BLOCKS)
 LEVELS = ("intra", "inter")
 GB = 1e9
 _UNITS = {
@@ -138,6 +144,9 @@ class ClusterConfig:
     latency_base: float = 0.0
     latency_intra_hop: float = 0.0
     latency_inter_hop: float = 0.0
+    memory_passes: Mapping[str, float] | None = None  # bytes touched per byte of each block (timing)
+    pass_bandwidth: float = 0.0  # bytes/s of those passes while the step runs
+    step_overhead: float = 0.0  # seconds per step that no term of the time model covers
 
     @property
     def memory_limit(self) -> float:
@@ -241,6 +250,7 @@ def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> Clust
             raise ClusterConfigError(f"{where}: latency.{key} = {value!r} is not a number") from error
         if latency_s[key] < 0:
             raise ClusterConfigError(f"{where}: latency.{key} must not be negative")
+    passes = _memory_passes(values.get("memory_passes"), where)
     tables: dict[tuple[str, str], BandwidthTable] = {}
     for kind, levels in (values.get("bandwidth") or {}).items():
         if kind not in KINDS:
@@ -277,7 +287,29 @@ def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> Clust
         latency_base=latency_s["base_us"],
         latency_intra_hop=latency_s["intra_hop_us"],
         latency_inter_hop=latency_s["inter_hop_us"],
+        memory_passes=passes and {block: passes[block] for block in PASS_BLOCKS},
+        pass_bandwidth=passes["bandwidth_gbps"] * GB if passes else 0.0,
+        step_overhead=passes["step_overhead_ms"] * 1e-3 if passes else 0.0,
     )
+
+
+def _memory_passes(section: Any, where: str) -> dict[str, float] | None:
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        raise ClusterConfigError(f"{where}: memory_passes must be a mapping of {', '.join(PASS_KEYS)}")
+    unknown = sorted(set(section) - set(PASS_KEYS))
+    if unknown:
+        raise ClusterConfigError(f"{where}: unknown memory_passes key(s) {unknown}; use {PASS_KEYS}")
+    found = {}
+    for key in PASS_KEYS:
+        value = section.get(key, 0.0)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ClusterConfigError(f"{where}: memory_passes.{key} = {value!r} is not a number")
+        if value < 0 or (key == "bandwidth_gbps" and value == 0):
+            raise ClusterConfigError(f"{where}: memory_passes.{key} must be positive, got {value}")
+        found[key] = float(value)
+    return found
 
 
 def load(path: str | Path) -> ClusterConfig:

@@ -188,7 +188,8 @@ class Terms:
     g_time: dict[tuple[Placement, int], dict[str, float]]
     reduction: dict[tuple[Placement, Placement, int], float]
     refresh: dict[tuple[Placement, Placement, int], float]
-    optimizer: dict[tuple[Placement, int], float]
+    passes: dict[tuple[str, Placement, int], float]  # (component, placement, π): memory-pass seconds
+    fixed_passes: dict[tuple[int, str], float]  # (micro-batch size, remat): passes every plan runs
     update: dict[tuple[Placement, Placement], float]  # (OS, largest group): the update's collectives
     p_memory: dict[tuple[Placement, int, str], float]
     prefetch_memory: dict[tuple[Placement, int], float]
@@ -235,10 +236,20 @@ class Terms:
         return timing.combine(
             self.communication(s, b, r, regather),
             self.compute[(b, r)],
-            self.optimizer[(s.opt_state, self.profile(s))],
+            self.memory_passes(choice),
             self.request.workload(b, m, r),
             self.request.cluster,
         )
+
+    def memory_passes(self, choice: Choice) -> dict[str, float]:
+        """Seconds of the step's memory-bound passes, by what they depend on (`timing.memory_times`)."""
+        s, pi = choice.strategy, self.profile(choice.strategy)
+        return {
+            "params": self.passes[("P", s.params, pi)],
+            "grads": self.passes[("G", s.grads, pi)],
+            "opt_state": self.passes[("OS", s.opt_state, pi)],
+            "every plan": self.fixed_passes[(choice.micro_batch_size, choice.remat)],
+        }
 
     def memory(self, choice: Choice, extra_params: Placement | None = None) -> float:
         """Bytes per device of `choice` (the larger of the backward and update peaks, as
@@ -346,7 +357,7 @@ def build_terms(request: Request) -> Terms:
     # prefetch loop's extra gathered layer is the difference of one micro-batch with and without it.
     p_memory: dict[tuple[Placement, int, str], float] = {}
     prefetch_memory: dict[tuple[Placement, int], float] = {}
-    g_memory, g_single_memory, os_memory, os_update_memory, optimizer = {}, {}, {}, {}, {}
+    g_memory, g_single_memory, os_memory, os_update_memory, passes = {}, {}, {}, {}, {}
     workloads = {r: request.workload(micro_batches=2, remat=r) for r in remats}
     looped = request.workload(micro_batches=1, remat="full")
     looped = looped.with_(implementation=dataclasses.replace(request.implementation, prefetch=True))
@@ -365,7 +376,13 @@ def build_terms(request: Request) -> Terms:
         as_os = memory(plan_axes(cluster, Strategy(t, t, x)), workloads[remats[0]])
         os_memory[(x, pi)] = float(as_os.master + as_os.opt_state)
         os_update_memory[(x, pi)] = float(as_os.update)
-        optimizer[(x, pi)] = timing.optimizer_time(as_os, base.precision.param_bytes, hardware)
+        passes[("P", x, pi)] = timing.pass_time("params", first.params, hardware)
+        passes[("G", x, pi)] = timing.pass_time("grads", first.grads, hardware)  # fp32: an accumulator
+        passes[("OS", x, pi)] = (
+            timing.optimizer_time(as_os, base.precision.param_bytes, hardware)
+            if hardware.memory_passes is None
+            else timing.pass_time("opt_state", as_os.master, hardware)
+        )
     # The optimizer update's collectives (Muon's, Adafactor's) depend on the dimension each leaf is split
     # along, which the largest group's degree sets: one term per (OS, largest group) pair.
     update = {
@@ -375,12 +392,17 @@ def build_terms(request: Request) -> Terms:
     }
 
     batchings = tuple(request.batchings())
-    activations, compute = {}, {}
+    activations, compute, fixed_passes = {}, {}, {}
     ddp_axes = plan_axes(cluster, Strategy(one, one, one))
     for (b, m), r in itertools.product(batchings, remats):
         w = request.workload(b, m, r)
         activations[(b, r)] = float(memory(ddp_axes, w).activations)
         compute[(b, r)] = timing.compute_times(w, hardware)
+        fixed_passes[(b, r)] = (
+            timing.pass_time("model", timing.FP32 * w.num_params, hardware)
+            + timing.pass_time("activations", activations[(b, r)], hardware)
+            + hardware.step_overhead
+        )
     return Terms(
         request=request,
         placements=tuple(qs),
@@ -393,7 +415,8 @@ def build_terms(request: Request) -> Terms:
         g_time=g_time,
         reduction=reduction,
         refresh=refresh,
-        optimizer=optimizer,
+        passes=passes,
+        fixed_passes=fixed_passes,
         update=update,
         p_memory=p_memory,
         prefetch_memory=prefetch_memory,
@@ -565,7 +588,7 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
         prob += mem <= terms.memory_limit / GIB
         prob += update_mem <= terms.memory_limit / GIB
 
-    # Step time: compute + optimizer + one exposed-time variable per overlap window, bounded below by
+    # Step time: compute + memory passes + one exposed-time variable per overlap window, bounded below by
     # both arms of `timing.exposed` (exact at the optimum, where it sits on the larger one).
     # Times enter in units of 1e-4 of the longest compute, so CBC's absolute tolerances (1e-7 on
     # constraints, 1e-5 as the least objective improvement it looks for) stay far below the
@@ -616,7 +639,8 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
 
     prob += (
         scale * total(terms.compute[k].total * w[k] for k in w)
-        + scale * total(terms.optimizer[(q, pi)] * z[("OS", q, pi)] for q, pi in terms.possible)
+        + scale * total(terms.passes[(c, *k)] * z[(c, *k)] for c in COMPONENTS for k in terms.possible)
+        + scale * total(terms.fixed_passes[k] * w[k] for k in w)
         + total(exposed.values())
     )
     if fixed is not None:

@@ -31,8 +31,16 @@ Since every layer is alike, the per-layer max(0, comm − compute) summed over L
 micro-batches equals max(0, total comm − total compute) of the window. The pipeline fill (the
 first layer's gather, the last layer's reduce-scatter) is not counted.
 
-The optimizer update is memory-bound: it reads the fp32 gradient, reads and writes the master and
-the moments and writes the compute copy, all on the OS block, at the device's HBM bandwidth.
+Memory-bound work: where the cluster config carries measured `memory_passes` (`amsp-jax profile`
+writes them), every state block is priced by the bytes the compiled step's memory-bound kernels
+touch per byte of it — the stored P block (casts, the refresh), the G block (sinks, the casts
+around the reduce-scatter), the fp32 master (the optimizer update), every parameter (the gathered
+weights and full-size gradients all plans handle) and the activations — at the bandwidth those
+kernels reach in a running step, plus a fixed cost per step. On the CPU mesh these passes are most
+of a step: zero1's replicated fp32 gradient is what makes it slower than zero2 at equal bytes on
+the wire. Without measured passes only the optimizer update is priced: it reads the fp32 gradient,
+reads and writes the master and the moments and writes the compute copy, all on the OS block, at
+the device's HBM bandwidth.
 MFU follows Megatron-LM: model FLOPs (no recompute, no causal halving) per second over peak.
 """
 
@@ -42,7 +50,9 @@ import dataclasses
 from collections import Counter
 from collections.abc import Mapping
 
-from amsp_jax.cluster_config import ClusterConfig
+import jax.numpy as jnp
+
+from amsp_jax.cluster_config import PASS_BLOCKS, ClusterConfig
 from amsp_jax.cost import (
     FP32,
     PHASES,
@@ -54,7 +64,7 @@ from amsp_jax.cost import (
     leaf_transfers,
     predict,
 )
-from amsp_jax.schedule import COLLECTIVE_PERMUTE
+from amsp_jax.schedule import COLLECTIVE_PERMUTE, grad_dtype
 from amsp_jax.sharding import AxisPlan
 
 FORWARD_GATHER = "P gather, layers (forward)"
@@ -192,9 +202,45 @@ def compute_times(workload: Workload, cluster: ClusterConfig) -> Compute:
 
 
 def optimizer_time(memory: Memory, param_bytes: int, cluster: ClusterConfig) -> float:
-    """Seconds of the memory-bound optimizer update on the OS block."""
+    """Seconds of the memory-bound optimizer update on the OS block (where no passes are measured)."""
     touched = 3 * memory.master + 2 * memory.opt_state + memory.master // FP32 * param_bytes
     return touched / cluster.hbm_bandwidth
+
+
+def pass_blocks(memory: Memory, workload: Workload) -> dict[str, float]:
+    """Bytes per device of each block the step's memory-bound kernels pass over (`PASS_BLOCKS`):
+    the stored P block, the G block counted in fp32 whatever its dtype (so a plan's G term does not
+    hang on its micro-batch count), the fp32 master, every parameter in fp32, the activations."""
+    grad_itemsize = jnp.dtype(grad_dtype(workload.micro_batches, workload.precision.reduce_dtype)).itemsize
+    return {
+        "params": float(memory.params),
+        "grads": float(memory.grads) * FP32 / grad_itemsize,
+        "opt_state": float(memory.master),
+        "model": float(FP32 * workload.num_params),
+        "activations": float(memory.activations),
+    }
+
+
+def pass_time(block: str, nbytes: float, cluster: ClusterConfig) -> float:
+    """Seconds of the memory passes over one block of `nbytes` (0 where the cluster measured none)."""
+    if cluster.memory_passes is None:
+        return 0.0
+    return cluster.memory_passes[block] * nbytes / cluster.pass_bandwidth
+
+
+def memory_times(memory: Memory, workload: Workload, cluster: ClusterConfig) -> dict[str, float]:
+    """Seconds of the step's memory-bound work by block, and the fixed cost of a step.
+
+    With measured passes (`memory_passes` in the cluster config, from `amsp-jax profile`) every block
+    is priced by the bytes the compiled step's kernels touch per byte of it; without them only the
+    optimizer update is, by the bytes it must read and write (`optimizer_time`).
+    """
+    if cluster.memory_passes is None:
+        return {"opt_state": optimizer_time(memory, workload.precision.param_bytes, cluster)}
+    blocks = pass_blocks(memory, workload)
+    return {block: pass_time(block, blocks[block], cluster) for block in PASS_BLOCKS} | {
+        "overhead": cluster.step_overhead
+    }
 
 
 def exposed(communication: float, hidden_behind: float, interference: float) -> float:
@@ -231,7 +277,7 @@ class StepTime:
     """Predicted seconds of one step, where they go, and the resulting throughput."""
 
     compute_s: float
-    optimizer_s: float
+    memory_s: Mapping[str, float]  # memory-bound passes by block (`memory_times`)
     communication_s: Mapping[str, float]
     exposed_s: Mapping[str, float]
     model_flops_per_device: float
@@ -240,8 +286,9 @@ class StepTime:
 
     @property
     def step_s(self) -> float:
-        """Compute, the optimizer update and the communication no compute hides."""
-        return self.compute_s + self.optimizer_s + sum(self.exposed_s.values())
+        """Compute, the memory-bound passes (the optimizer update among them) and the communication no
+        compute hides."""
+        return self.compute_s + sum(self.memory_s.values()) + sum(self.exposed_s.values())
 
     @property
     def mfu(self) -> float:
@@ -256,14 +303,14 @@ class StepTime:
 def combine(
     comm: Mapping[str, float],
     compute: Compute,
-    optimizer_s: float,
+    memory_s: Mapping[str, float],
     workload: Workload,
     cluster: ClusterConfig,
 ) -> StepTime:
-    """The step time of given communication, compute and optimizer seconds."""
+    """The step time of given communication, compute and memory-pass seconds."""
     return StepTime(
         compute_s=compute.total,
-        optimizer_s=optimizer_s,
+        memory_s=dict(memory_s),
         communication_s=dict(comm),
         exposed_s=exposed_times(comm, compute, cluster),
         model_flops_per_device=float(workload.flops_per_token() * workload.tokens_per_device()),
@@ -285,7 +332,7 @@ def step_time(traffic: Traffic, memory: Memory, workload: Workload, cluster: Clu
     return combine(
         communication_times(traffic, cluster),
         compute_times(workload, cluster),
-        optimizer_time(memory, workload.precision.param_bytes, cluster),
+        memory_times(memory, workload, cluster),
         workload,
         cluster,
     )

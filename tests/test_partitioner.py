@@ -8,7 +8,7 @@ import random
 import pytest
 
 from amsp_jax import partitioner as pt
-from amsp_jax.cluster_config import from_dict
+from amsp_jax.cluster_config import PASS_BLOCKS, from_dict
 from amsp_jax.models.llama import LlamaConfig
 from amsp_jax.space import Cluster, Strategy, StrategyError, resolve
 
@@ -23,7 +23,7 @@ def synthetic_cluster(rng: random.Random, nodes: int, per_node: int) -> dict:
     def table(peak: float) -> list:
         return [[2**12, peak / 20], [2**16, peak / 4], [2**20, peak]]
 
-    return {
+    config = {
         "name": "synthetic",
         "nodes": nodes,
         "devices_per_node": per_node,
@@ -42,6 +42,13 @@ def synthetic_cluster(rng: random.Random, nodes: int, per_node: int) -> dict:
             for kind in ("all-gather", "reduce-scatter", "all-reduce")
         },
     }
+    if rng.random() < 0.5:  # measured memory passes (`amsp-jax profile`) in place of the update's bytes
+        config["memory_passes"] = {
+            "bandwidth_gbps": rng.uniform(1, 1000),
+            "step_overhead_ms": rng.uniform(0, 5),
+            **{block: rng.uniform(0, 30) for block in PASS_BLOCKS},
+        }
+    return config
 
 
 def generated_case(seed: int, optimizer: str = "adam") -> pt.Terms:

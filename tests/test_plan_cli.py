@@ -2,8 +2,12 @@
 
 import json
 
+import numpy as np
+import pytest
+
 from amsp_jax.cli import main
 from amsp_jax.cluster_config import KINDS, LEVELS, load
+from amsp_jax.commands import probe
 
 AMSP = [
     "--cluster", "configs/clusters/a800-8x-ib800.yaml", "--nodes", "128",
@@ -73,11 +77,30 @@ def test_plan_fails_clearly_when_nothing_fits(capsys):
 
 def test_profile_writes_a_cluster_config_the_planner_reads(tmp_path, capsys):
     out = tmp_path / "measured.yaml"
-    assert main(["profile", "--out", str(out), "--sizes", "4KiB,16KiB", "--repeats", "1"]) == 0
+    args = ["profile", "--out", str(out), "--sizes", "4KiB,16KiB", "--repeats", "1", "--no-passes"]
+    assert main(args) == 0
     config = load(out)
     assert (config.nodes, config.devices_per_node) == (2, 4)
     for kind in KINDS:
         for level in LEVELS:
             assert config.bandwidth[(kind, level)].sizes == (4096.0, 16384.0)
     assert config.peak_flops > 0 and config.collective_min_itemsize == 4
+    assert config.memory_passes is None and not config.overlap_enabled
     assert "wrote" in capsys.readouterr().out
+
+
+def test_probe_fit_recovers_pass_counts_bandwidth_and_overhead():
+    rng = np.random.default_rng(0)
+    counts = {"params": 9.0, "grads": 2.5, "opt_state": 22.0, "model": 0.0, "activations": 40.0}
+    probes = []
+    for i in range(10):
+        blocks = tuple(rng.uniform(1e6, 1e8, len(probe.BLOCKS)))
+        traffic = sum(counts[b] * x for b, x in zip(probe.BLOCKS, blocks, strict=True))
+        # 3 GB/s and 5 ms a step on top of what compute and collectives take.
+        probes.append(probe.Probe(str(i), blocks, int(traffic), 0.02 * i, 0.02 * i + 0.005 + traffic / 3e9))
+    passes = probe.fit(probes)
+    for block, count in counts.items():
+        assert passes.per_byte[block] == pytest.approx(count, rel=1e-6, abs=1e-6)
+    assert passes.bandwidth == pytest.approx(3e9, rel=1e-6)
+    assert passes.step_overhead_s == pytest.approx(0.005, rel=1e-6)
+    assert passes.traffic_error < 1e-6

@@ -36,15 +36,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--nodes", type=int, help="nodes of the mesh (default: one per process; 2 on one CPU host)"
     )
     parser.add_argument("--name", default="measured", help="the cluster's name in the YAML")
+    parser.add_argument(
+        "--no-passes",
+        action="store_true",
+        help="skip the probe steps that measure the step's memory passes (about two minutes on a CPU host)",
+    )
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+def _median_seconds(fn: Callable[[], object], repeats: int, sample_s: float = 0.05) -> float:
+    """Median seconds of one call: each sample averages enough calls to last about `sample_s`, since a
+    single sub-millisecond call on a busy host is mostly scheduling noise."""
+    start = time.perf_counter()
     fn()  # compile and warm up
+    fn()
+    calls = max(1, int(sample_s / max(time.perf_counter() - start, 1e-9) * 2))
     times = []
     for _ in range(max(1, repeats)):
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 
@@ -88,19 +99,26 @@ def measure_collective(mesh: object, kind: str, axis: str, size: float, repeats:
     return sent / _median_seconds(lambda: fn(x).block_until_ready(), repeats)
 
 
-def measure_compute(device: object, repeats: int) -> tuple[float, float]:
-    """(matmul FLOP/s, memory bandwidth bytes/s) of one device: bf16 on accelerators, fp32 on the CPU."""
+def measure_compute(devices: list, repeats: int) -> tuple[float, float]:
+    """(matmul FLOP/s, memory bandwidth bytes/s) per device with every local device busy at once, as in a
+    step: simulated CPU devices share the host's cores and memory. bf16 on accelerators, fp32 on the CPU."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    dtype = jnp.float32 if device.platform == "cpu" else jnp.bfloat16
-    n = 1024 if device.platform == "cpu" else 8192
-    a = jax.device_put(jnp.ones((n, n), dtype), device)
-    matmul = jax.jit(lambda a: a @ a)
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    mesh = Mesh(np.array(local, dtype=object), ("local",))
+    each = P("local")
+    dtype = jnp.float32 if local[0].platform == "cpu" else jnp.bfloat16
+    n = 1024 if local[0].platform == "cpu" else 8192
+    a = jax.device_put(jnp.ones((len(local) * n, n), dtype), NamedSharding(mesh, each))
+    matmul = jax.jit(jax.shard_map(lambda a: a @ a[:n], mesh=mesh, in_specs=each, out_specs=each))
     flops = 2 * n**3 / _median_seconds(lambda: matmul(a).block_until_ready(), repeats)
-    v = jax.device_put(jnp.ones((2**24,), jnp.float32), device)
-    scale = jax.jit(lambda v: v * 2.0)
-    bandwidth = 2 * v.nbytes / _median_seconds(lambda: scale(v).block_until_ready(), repeats)
+    v = jax.device_put(jnp.ones((len(local) * 2**24,), jnp.float32), NamedSharding(mesh, each))
+    scale = jax.jit(jax.shard_map(lambda v: v * 2.0, mesh=mesh, in_specs=each, out_specs=each))
+    bandwidth = 2 * 4 * 2**24 / _median_seconds(lambda: scale(v).block_until_ready(), repeats)
     return flops, bandwidth
 
 
@@ -140,10 +158,11 @@ def run(args: argparse.Namespace) -> int:
                 rows = tables.get(kind, {}).get(other) or [(s, 1e9) for s in sizes]
                 notes[level] = f"not measured (one device per group): copied from {other}"
             tables.setdefault(kind, {})[level] = rows
-    flops, hbm = measure_compute(devices[0], args.repeats)
+    flops, hbm = measure_compute(devices, args.repeats)
     memory, memory_source = _device_memory(devices[0], len(devices) // max(1, jax.process_count()))
     platform = devices[0].platform
 
+    matmul_dtype = "fp32" if platform == "cpu" else "bf16"
     lines = [
         f"# Measured by `amsp-jax profile` on {len(devices)} {platform} device(s) as {nodes} nodes x",
         f"# {per_node}, median of {args.repeats} run(s) per point, {time.strftime('%Y-%m-%d')}. Bandwidths:",
@@ -162,10 +181,12 @@ def run(args: argparse.Namespace) -> int:
         f"  name: {devices[0].device_kind}",
         f"  memory_bytes: {int(memory)}     # {memory_source}",
         "  usable_memory_fraction: 0.9     # assumption: headroom for the runtime and fragmentation",
-        f"  peak_flops: {flops:.4e}     # measured {'fp32' if platform == 'cpu' else 'bf16'} matmul rate",
+        f"  peak_flops: {flops:.4e}     # measured {matmul_dtype} matmul, every device at once",
         "  compute_efficiency: 1.0     # the measured matmul rate already is what the device sustains",
-        f"  hbm_bandwidth: {hbm:.4e}     # measured: an elementwise op over 64 MiB reads and writes it",
+        f"  hbm_bandwidth: {hbm:.4e}     # measured: an elementwise op over 64 MiB per device, all at once",
         "overlap:",
+        *(["  enabled: false     # XLA:CPU runs collectives as blocking rendezvous on the compute threads"]
+          if platform == "cpu" else []),
         "  reduction_fraction: 0.5     # assumption, as in the shipped cluster configs",
         "  interference: 0.1     # assumption, as in the shipped cluster configs",
         "bandwidth:",
@@ -179,6 +200,25 @@ def run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     config = load(out)
+    if len(devices) > 1 and not args.no_passes:
+        from amsp_jax.commands import probe
+
+        print("amsp-jax profile: probe steps for the memory passes", flush=True)
+        passes = probe.fit(probe.run_probes(config, args.repeats))
+        lines += [
+            "memory_passes:     # the probe steps' memory-bound kernels (amsp_jax/commands/probe.py): bytes",
+            "                   # touched per byte of each block, read off the compiled programs, and the",
+            "                   # bandwidth and fixed cost per step their timings give",
+            f"  bandwidth_gbps: {passes.bandwidth / 1e9:.4g}",
+            f"  step_overhead_ms: {passes.step_overhead_s * 1e3:.4g}",
+            *(f"  {block}: {count:.4g}" for block, count in passes.per_byte.items()),
+        ]
+        out.write_text("\n".join(lines) + "\n")
+        config = load(out)
+        print(f"  memory passes at {passes.bandwidth / 1e9:.3g} GB/s, {passes.step_overhead_s * 1e3:.3g} ms "
+              f"per step; bytes per block byte: "
+              + ", ".join(f"{b} {c:.3g}" for b, c in passes.per_byte.items())
+              + f" (compiled traffic within {passes.traffic_error:.0%})")  # fmt: skip
     print(f"amsp-jax profile: wrote {out} ({config.name}: {nodes} nodes x {per_node} {platform} devices)")
     for kind in KINDS:
         for level in LEVELS:

@@ -1,0 +1,146 @@
+"""Memory passes of the step, measured on probe models: what `amsp-jax profile` adds for the time model.
+
+A step's memory-bound kernels (casts, gradient sinks, the optimizer update, the copies around
+collectives) read and write each state block a number of times that depends on the backend's
+fusion, not on the model. The profile compiles the real step for two probe LLaMA shapes under
+several placements, reads the bytes those kernels touch from each compiled program
+(`amsp_jax.hlo.memory_traffic`), and solves for the bytes per byte of each block: the stored P
+block, the G block, the fp32 master, all parameters (the gathered weights and full-size gradients
+every placement handles) and the activations. Timing the same steps then gives the bandwidth those
+kernels reach while the step runs, and a fixed cost per step (dispatch, the loss reduction), once
+compute and collectives are priced with the tables just measured.
+
+The update's passes belong to the optimizer as much as to the backend: the probes run the
+examples' AdamW chain (global-norm clipping, then AdamW), fp32 master and moments, bf16 compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from amsp_jax.cluster_config import PASS_BLOCKS as BLOCKS
+
+PROBE_PLACEMENTS = ("ddp", "zero1", "zero2", "zero3", "mics", "p=1x1,g=4x1,os=4x1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """One compiled probe step: its state blocks (bytes per device), traffic and timing."""
+
+    label: str
+    blocks: tuple[float, ...]  # bytes per device of each block, in BLOCKS order
+    traffic: int
+    predicted_other_s: float  # compute and collectives by the time model
+    measured_s: float
+
+
+def _probe_models() -> list[tuple[Any, int]]:
+    from amsp_jax.models.llama import LlamaConfig
+
+    # Two shapes with different tokens per parameter, so the activation and parameter terms separate.
+    return [
+        (LlamaConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=688,
+                     max_seq_len=128, name="probe-a"), 128),
+        (LlamaConfig(vocab_size=4096, dim=320, n_layers=3, n_heads=5, n_kv_heads=5, ffn_dim=864,
+                     max_seq_len=32, name="probe-b"), 16),
+    ]  # fmt: skip
+
+
+def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Probe]:
+    """Compile, read and time every probe step on this host's devices."""
+    import jax
+    import optax
+
+    import amsp_jax as aj
+    from amsp_jax import audit, cost, hlo, timing
+    from amsp_jax.models.llama import Llama, make_loss_fn
+
+    cluster = cluster_config.cluster()
+    probes = []
+    for config, seq_len in _probe_models():
+        model = Llama(config)
+        tokens = np.random.default_rng(0).integers(0, config.vocab_size, (cluster.num_devices, seq_len + 1))
+        batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
+        for name in PROBE_PLACEMENTS:
+            try:
+                strategy = aj.resolve(name, cluster)
+            except ValueError:
+                continue  # a preset this mesh cannot hold (e.g. one device)
+            plan = aj.Plan(cluster, strategy, 1, precision="mixed", remat="full", hierarchical=False,
+                           prefetch=False)  # fmt: skip
+            optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=0.1))
+            trainer = aj.Trainer(plan, model, optimizer, make_loss_fn(model))
+            trainer.setup(jax.random.key(0), batch["inputs"])
+            sharded = trainer.shard_batch(batch)
+            abstract = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), sharded
+            )
+            compiled = trainer.compile(trainer.abstract_state(), abstract)
+            workload = audit.workload_of(trainer, batch, cost.llama_dims(config))
+            estimate = timing.estimate(trainer.layout, workload, cluster_config)
+            step = estimate.time
+            state = trainer.init(jax.random.key(0), batch["inputs"])
+            times = []
+            for _ in range(max(2, repeats) + 1):
+                start = time.perf_counter()
+                state, metrics = compiled(state, sharded)
+                jax.block_until_ready((state, metrics))
+                times.append(time.perf_counter() - start)
+            del state
+            probes.append(Probe(
+                f"{config.name} {name}",
+                tuple(timing.pass_blocks(estimate.prediction.memory, workload)[b] for b in BLOCKS),
+                hlo.memory_traffic(compiled.as_text()),
+                step.compute_s + sum(step.exposed_s.values()),
+                statistics.median(times[1:]),
+            ))  # fmt: skip
+            say(f"  probe {probes[-1].label}: {probes[-1].traffic / 1e6:.0f} MB of memory passes, "
+                f"{probes[-1].measured_s * 1e3:.0f} ms per step")  # fmt: skip
+    return probes
+
+
+@dataclasses.dataclass(frozen=True)
+class Passes:
+    """Bytes touched per byte of each block, the bandwidth those passes reach, a fixed cost per step."""
+
+    per_byte: dict[str, float]
+    bandwidth: float
+    step_overhead_s: float
+    traffic_error: float  # largest |predicted / compiled − 1| of the probes' traffic
+
+
+def fit(probes: list[Probe]) -> Passes:
+    """Least-squares pass counts from the compiled traffic, then bandwidth and overhead from the times."""
+    blocks = np.array([p.blocks for p in probes])
+    traffic = np.array([p.traffic for p in probes], dtype=float)
+    # Nonnegative by construction: a block the fit would give a negative count gets none, and the rest refit.
+    active = list(range(len(BLOCKS)))
+    while True:
+        counts, *_ = np.linalg.lstsq(blocks[:, active], traffic, rcond=None)
+        if (counts >= 0).all():
+            break
+        active.pop(int(np.argmin(counts)))
+    per_byte = dict.fromkeys(BLOCKS, 0.0)
+    for i, c in zip(active, counts, strict=True):
+        per_byte[BLOCKS[i]] = float(c)
+    modelled = blocks @ np.array([per_byte[b] for b in BLOCKS])
+    rest = np.array([p.measured_s - p.predicted_other_s for p in probes])
+    (overhead, seconds_per_byte), *_ = np.linalg.lstsq(
+        np.stack([np.ones_like(modelled), modelled], axis=1), rest, rcond=None
+    )
+    if seconds_per_byte <= 0:
+        raise SystemExit(
+            "amsp-jax profile: the probe steps' times do not grow with their memory passes (a busy "
+            "machine?); run it again on an idle one, or with --no-passes"
+        )
+    return Passes(
+        per_byte,
+        float(1 / seconds_per_byte),
+        max(0.0, float(overhead)),
+        float(np.max(np.abs(modelled / traffic - 1))),
+    )
