@@ -2,10 +2,11 @@
 
 For each model size every configuration is compiled, its step time predicted by the time model
 (`amsp_jax.timing.estimate` on the cluster config, default `cpu-sim`) and measured: rounds of
-(fresh state, one warm-up step, timed steps) over all configurations, each round starting one place
-later, so a slow spell of a shared machine hits them alike. Reported per model: predicted and
-measured medians, their ratio, Spearman's rank correlation, and the planner's choice against the
-fastest configuration measured. Writes `plan_vs_measured.md`, `.json` and a log-log scatter `.png`.
+(fresh state, one warm-up step, timed steps for at least `--min-seconds`) over all
+configurations, each round starting one place later, so a slow spell of a shared machine hits
+them alike. Reported per model: predicted and measured medians, their ratio, Spearman's rank
+correlation, and the planner's choice against the fastest configuration measured. Writes
+`plan_vs_measured.md`, `.json` and a log-log scatter `.png`.
 
 Run from the repository root:  .venv/bin/python -m benchmarks.plan_vs_measured
 """
@@ -33,7 +34,12 @@ import amsp_jax as aj
 from amsp_jax import audit, cost, partitioner, timing
 from amsp_jax.cluster_config import load
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
+from amsp_jax.xla import add_cpu_flags
 from benchmarks.step_time import make_batch, optimizer
+
+# Hundreds of steps of arbitrary plans on simulated devices need the flag that keeps XLA:CPU from
+# hanging; JAX reads it when it first creates a backend, which importing does not do.
+add_cpu_flags()
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ("ddp", "zero1", "zero2", "zero3", "mics")
@@ -105,11 +111,14 @@ def run_model(name: str, args: argparse.Namespace, say) -> dict:
             state = row["trainer"].init(key, host_batch["inputs"])
             state, metrics = row["compiled"](state, row["batch"])
             jax.block_until_ready(metrics)
-            for _ in range(args.steps):
+            # Short steps get more repeats: a fixed count of 50 ms steps is at the mercy of one slow one.
+            spent, timed = 0.0, 0
+            while timed < args.steps or spent < args.min_seconds:
                 start = time.perf_counter()
                 state, metrics = row["compiled"](state, row["batch"])
                 jax.block_until_ready((state, metrics))
                 row["times"].append(time.perf_counter() - start)
+                spent, timed = spent + row["times"][-1], timed + 1
             del state
         say(f"  round {round_ + 1}/{args.rounds} done")
     for row in rows:
@@ -181,8 +190,11 @@ def main() -> None:
     parser.add_argument("--models", default="small,25m")
     parser.add_argument("--cluster-config", default="cpu-sim")
     parser.add_argument("--random", type=int, default=6, help="random valid strategies per model")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per configuration and round")
+    parser.add_argument(
+        "--min-seconds", type=float, default=1.0, help="time at least this long per configuration and round"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results"))
     args = parser.parse_args()
