@@ -378,11 +378,7 @@ def build_terms(request: Request) -> Terms:
         os_update_memory[(x, pi)] = float(as_os.update)
         passes[("P", x, pi)] = timing.pass_time("params", first.params, hardware)
         passes[("G", x, pi)] = timing.pass_time("grads", first.grads, hardware)  # fp32: an accumulator
-        passes[("OS", x, pi)] = (
-            timing.optimizer_time(as_os, base.precision.param_bytes, hardware)
-            if hardware.memory_passes is None
-            else timing.pass_time("opt_state", as_os.master, hardware)
-        )
+        passes[("OS", x, pi)] = timing.opt_state_time(as_os, base.precision.param_bytes, hardware)
     # The optimizer update's collectives (Muon's, Adafactor's) depend on the dimension each leaf is split
     # along, which the largest group's degree sets: one term per (OS, largest group) pair.
     update = {
@@ -398,11 +394,7 @@ def build_terms(request: Request) -> Terms:
         w = request.workload(b, m, r)
         activations[(b, r)] = float(memory(ddp_axes, w).activations)
         compute[(b, r)] = timing.compute_times(w, hardware)
-        fixed_passes[(b, r)] = (
-            timing.pass_time("model", timing.FP32 * w.num_params, hardware)
-            + timing.pass_time("activations", activations[(b, r)], hardware)
-            + hardware.step_overhead
-        )
+        fixed_passes[(b, r)] = timing.fixed_pass_time(w.num_params, activations[(b, r)], hardware)
     return Terms(
         request=request,
         placements=tuple(qs),

@@ -52,7 +52,7 @@ from collections.abc import Mapping
 
 import jax.numpy as jnp
 
-from amsp_jax.cluster_config import PASS_BLOCKS, ClusterConfig
+from amsp_jax.cluster_config import ClusterConfig
 from amsp_jax.cost import (
     FP32,
     PHASES,
@@ -208,9 +208,10 @@ def optimizer_time(memory: Memory, param_bytes: int, cluster: ClusterConfig) -> 
 
 
 def pass_blocks(memory: Memory, workload: Workload) -> dict[str, float]:
-    """Bytes per device of each block the step's memory-bound kernels pass over (`PASS_BLOCKS`):
-    the stored P block, the G block counted in fp32 whatever its dtype (so a plan's G term does not
-    hang on its micro-batch count), the fp32 master, every parameter in fp32, the activations."""
+    """Bytes per device of each block the step's memory-bound kernels pass over
+    (`cluster_config.PASS_BLOCKS`): the stored P block, the G block counted in fp32 whatever its dtype
+    (so a plan's G term does not hang on its micro-batch count), the fp32 master, every parameter in
+    fp32, the activations."""
     grad_itemsize = jnp.dtype(grad_dtype(workload.micro_batches, workload.precision.reduce_dtype)).itemsize
     return {
         "params": float(memory.params),
@@ -228,18 +229,39 @@ def pass_time(block: str, nbytes: float, cluster: ClusterConfig) -> float:
     return cluster.memory_passes[block] * nbytes / cluster.pass_bandwidth
 
 
+def fixed_pass_time(num_params: int, activations: float, cluster: ClusterConfig) -> float:
+    """Seconds of the passes every plan runs (over all parameters and the activations) and the fixed
+    cost of a step; 0 where the cluster measured no passes."""
+    if cluster.memory_passes is None:
+        return 0.0
+    return (
+        pass_time("model", FP32 * num_params, cluster)
+        + pass_time("activations", activations, cluster)
+        + cluster.step_overhead
+    )
+
+
+def opt_state_time(memory: Memory, param_bytes: int, cluster: ClusterConfig) -> float:
+    """Seconds of the passes over the OS block: measured, or else the update's own bytes."""
+    if cluster.memory_passes is None:
+        return optimizer_time(memory, param_bytes, cluster)
+    return pass_time("opt_state", memory.master, cluster)
+
+
 def memory_times(memory: Memory, workload: Workload, cluster: ClusterConfig) -> dict[str, float]:
-    """Seconds of the step's memory-bound work by block, and the fixed cost of a step.
+    """Seconds of the step's memory-bound work by what it depends on: the P, G and OS placements, and
+    what every plan runs.
 
     With measured passes (`memory_passes` in the cluster config, from `amsp-jax profile`) every block
     is priced by the bytes the compiled step's kernels touch per byte of it; without them only the
     optimizer update is, by the bytes it must read and write (`optimizer_time`).
     """
-    if cluster.memory_passes is None:
-        return {"opt_state": optimizer_time(memory, workload.precision.param_bytes, cluster)}
     blocks = pass_blocks(memory, workload)
-    return {block: pass_time(block, blocks[block], cluster) for block in PASS_BLOCKS} | {
-        "overhead": cluster.step_overhead
+    return {
+        "params": pass_time("params", blocks["params"], cluster),
+        "grads": pass_time("grads", blocks["grads"], cluster),
+        "opt_state": opt_state_time(memory, workload.precision.param_bytes, cluster),
+        "every plan": fixed_pass_time(workload.num_params, blocks["activations"], cluster),
     }
 
 
