@@ -46,10 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _median_seconds(fn: Callable[[], object], repeats: int, sample_s: float = 0.05) -> float:
     """Median seconds of one call: each sample averages enough calls to last about `sample_s`, since a
     single sub-millisecond call on a busy host is mostly scheduling noise."""
-    start = time.perf_counter()
     fn()  # compile and warm up
+    start = time.perf_counter()
     fn()
-    calls = max(1, int(sample_s / max(time.perf_counter() - start, 1e-9) * 2))
+    calls = max(1, int(sample_s / max(time.perf_counter() - start, 1e-9)))
     times = []
     for _ in range(max(1, repeats)):
         start = time.perf_counter()
