@@ -278,11 +278,17 @@ class Memory:
     activations: int
     accumulation: int  # one micro-batch's gradient beside the accumulator (0 without one)
     update: int  # the optimizer's new master, before it replaces the old
+    params_from_master: int = 0  # P's bytes where it is not stored but cast from the master (in no peak)
 
     @property
     def model_states(self) -> int:
         """P + G + OS (master and moments)."""
         return self.params + self.grads + self.master + self.opt_state
+
+    @property
+    def param_blocks(self) -> int:
+        """The bytes of a device's P blocks, stored or cast from the master as the step goes."""
+        return self.params + self.params_from_master
 
     @property
     def backward_peak(self) -> int:
@@ -381,7 +387,10 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
     logits = workload.micro_batch_size * workload.seq_len * d.vocab_size * FP32
     activations = layers * kept + full_layer + 2 * logits
     accumulation = grads if schedule.accumulates(workload.micro_batches) else 0
-    return Memory(params, grads, master, opt_state, gathered, activations, accumulation, trained_master)
+    stored, from_master = (0, params) if schedule.params_from_master(axes.strategy) else (params, 0)
+    return Memory(
+        stored, grads, master, opt_state, gathered, activations, accumulation, trained_master, from_master
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,7 +51,7 @@ from amsp_jax.cluster_config import load as load_cluster
 from amsp_jax.cost import Transfer, Workload, leaf_transfers, llama_workload, memory
 from amsp_jax.models.llama import LlamaConfig, ModelConfigError, muon_dimension_numbers
 from amsp_jax.plan import REMAT_POLICIES, Plan, Precision
-from amsp_jax.schedule import UPDATE, Implementation, accumulates, uses_prefetch
+from amsp_jax.schedule import UPDATE, Implementation, accumulates, params_from_master, uses_prefetch
 from amsp_jax.sharding import plan_axes, shard_dims
 from amsp_jax.space import Cluster, Placement, Strategy, preset
 from amsp_jax.workload import ModelSpec
@@ -270,6 +270,9 @@ class Terms:
         update = (
             self.p_memory[(s.params, pi, "params only")] + states + self.os_update_memory[(s.opt_state, pi)]
         )
+        if params_from_master(s):  # P is the master cast as the step goes, not stored
+            backward -= self.p_memory[(s.params, pi, "params only")]
+            update -= self.p_memory[(s.params, pi, "params only")]
         total = max(backward, update)
         if extra_params is not None:
             total += self.p_memory[(extra_params, pi, "params only")]
@@ -366,17 +369,17 @@ def build_terms(request: Request) -> Terms:
         axes = plan_axes(cluster, Strategy(x, x, t))
         as_p = {r: memory(axes, workloads[r]) for r in remats}
         for r, mem in as_p.items():
-            p_memory[(x, pi, r)] = float(mem.params + mem.gathered)
+            p_memory[(x, pi, r)] = float(mem.param_blocks + mem.gathered)
         single = memory(axes, looped)
         prefetch_memory[(x, pi)] = float(single.gathered - memory(axes, scanned).gathered)
         first = as_p[remats[0]]
-        p_memory[(x, pi, "params only")] = float(first.params)
+        p_memory[(x, pi, "params only")] = float(first.param_blocks)
         g_memory[(x, pi)] = float(first.grads)  # one micro-batch's gradient; the accumulator doubles it
         g_single_memory[(x, pi)] = float(single.grads)
         as_os = memory(plan_axes(cluster, Strategy(t, t, x)), workloads[remats[0]])
         os_memory[(x, pi)] = float(as_os.master + as_os.opt_state)
         os_update_memory[(x, pi)] = float(as_os.update)
-        passes[("P", x, pi)] = timing.pass_time("params", first.params, hardware)
+        passes[("P", x, pi)] = timing.pass_time("params", first.param_blocks, hardware)
         passes[("G", x, pi)] = timing.pass_time("grads", first.grads, hardware)  # fp32: an accumulator
         passes[("OS", x, pi)] = timing.opt_state_time(as_os, base.precision.param_bytes, hardware)
     # The optimizer update's collectives (Muon's, Adafactor's) depend on the dimension each leaf is split
@@ -552,6 +555,12 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
         + (terms.os_memory[(q, pi)] + terms.os_update_memory[(q, pi)]) / GIB * z[("OS", q, pi)]
         for q, pi in terms.possible
     )
+    # P on OS's placement is not stored (`schedule.params_from_master`): the pair variable of the
+    # refresh from OS onto the same placement takes its bytes off both peaks.
+    for (a, o, pi), v in z_ref.items():
+        if params_from_master(Strategy(a, a, o)):
+            mem -= terms.p_memory[(a, pi, "params only")] / GIB * v
+            update_mem -= terms.p_memory[(a, pi, "params only")] / GIB * v
     # The schedule's rules as products of binaries: G counts twice in fp32 with an accumulator, and the
     # prefetch loop holds one more gathered layer for the (batching, remat) pairs that run it.
     micro = dict(terms.batchings)
@@ -776,7 +785,7 @@ def _hpz(request: Request, zero3: Strategy, workload: Workload) -> timing.Estima
     transfers += tuple(
         t for t in timing.predict(secondary_axes, workload).transfers if t.phase in backward_phase
     )
-    mem = dataclasses.replace(base.memory, params=base.memory.params + other.params)
+    mem = dataclasses.replace(base.memory, params=base.memory.params + other.param_blocks)
     prediction = timing.Prediction(transfers, mem)
     return timing.Estimate(prediction, timing.step_time(groups, mem, workload, request.cluster))
 

@@ -10,6 +10,7 @@ rules that decide what runs are here and nowhere else:
   - `uses_prefetch`: whether a layer stack runs the explicit-prefetch loop or the checkpointed scan;
   - `accumulates`: whether the step keeps an fp32 gradient accumulator (only with several
     micro-batches), and `grad_dtype`: G held in the reduce dtype without one;
+  - `params_from_master`: whether P is stored or cast from the master block where it is used;
   - how a collective over axes that span nodes is issued (`Implementation.hierarchical`): split into
     runs of intra- and inter-node axes (a reduce-scatter intra first, an all-gather inter first, an
     all-reduce as reduce-scatter / all-reduce / all-gather), or flat over the whole group;
@@ -26,6 +27,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from amsp_jax.sharding import AxisPlan, LeafLayout, leaf_layout
+from amsp_jax.space import Strategy
 
 FORWARD_GATHER = "P gather, layers (forward)"
 BACKWARD_GATHER = "P re-gather, layers (backward)"
@@ -68,6 +70,14 @@ def grad_dtype(micro_batches: int, reduce_dtype: str) -> str:
     micro-batch the gradient reduce-scatter's output is the gradient, kept in its own (e.g. bf16) dtype,
     which halves G's memory and loses nothing (a wider copy of a bf16 sum holds no more)."""
     return "float32" if accumulates(micro_batches) else reduce_dtype
+
+
+def params_from_master(strategy: Strategy) -> bool:
+    """Whether P is cast from the master where the step uses it instead of being stored: where P and OS
+    have one placement (so one set of mesh axes), a device's P block is its master block in the compute
+    dtype, and a stored copy would only repeat it (2 bytes per parameter and device in mixed precision,
+    4 in fp32)."""
+    return strategy.params == strategy.opt_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,6 +330,7 @@ class Schedule:
     micro_batches: int
     remat: str
     implementation: Implementation
+    params_from_master: bool = False  # P is not stored: the step casts the master (`params_from_master`)
 
     @property
     def accumulates(self) -> bool:
@@ -351,4 +362,4 @@ def build(
         tuple(path): leaf_schedule(axes, tuple(path), shape, stacked, *knobs, per_layer, regathered, frozen)
         for path, shape, stacked, per_layer, regathered, frozen in leaves
     }
-    return Schedule(scheduled, micro_batches, remat, implementation)
+    return Schedule(scheduled, micro_batches, remat, implementation, params_from_master(axes.strategy))

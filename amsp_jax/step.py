@@ -44,8 +44,9 @@ class TrainerError(AmspError):
 
 @flax.struct.dataclass
 class TrainState:
-    """The sharded training state: P (compute dtype), fp32 master and optimizer state on OS, step, and
-    the model's other variable collections (e.g. `batch_stats`; replicated)."""
+    """The sharded training state: P (compute dtype; empty where P and OS share one placement, since P is
+    then the master cast as the step goes), fp32 master and optimizer state on OS, step, and the model's
+    other variable collections (e.g. `batch_stats`; replicated)."""
 
     step: jax.Array
     params: Any
@@ -251,7 +252,7 @@ class Trainer:
         whole = NamedSharding(self.layout.mesh, P())
         return TrainState(
             step=whole,
-            params=self._sharding("params"),
+            params={} if self.schedule.params_from_master else self._sharding("params"),
             master=master,
             opt_state=opt,
             collections=jax.tree.map(lambda _: whole, self._abstract_collections),
@@ -409,11 +410,21 @@ class Trainer:
 
     # ---- the step ----------------------------------------------------------------------------------
 
+    def _param_blocks(self, state: TrainState) -> Any:
+        """This step's P blocks: the stored P, or the master cast where P is not stored."""
+        if not self.schedule.params_from_master:
+            return state.params
+        dtype = jnp.dtype(self.plan.precision.param_dtype)
+        return jax.tree.map(lambda block: block.astype(dtype), state.master)
+
     def _refresh(self, master: Any, previous: Any = None) -> Any:
         """New P from the OS-sharded master: cast, then the schedule's gathers (or a slice) onto P. With
-        the `previous` P, frozen leaves keep theirs (they never change) and move nothing."""
+        the `previous` P, frozen leaves keep theirs (they never change) and move nothing. Where P is not
+        stored (`schedule.params_from_master`), nothing: the step casts the master as it goes."""
         layout, pl, schedule = self.layout, self.params_layout, self.schedule
         assert pl is not None
+        if schedule.params_from_master:
+            return {}
         dtype = jnp.dtype(self.plan.precision.param_dtype)
         kept = frozenset() if previous is None else pl.frozen
 
@@ -655,23 +666,34 @@ class Trainer:
         if not all(isinstance(x, jax.Array) and len(x.devices()) > 1 for x in jax.tree.leaves(batch)):
             batch = self.shard_batch(batch)
         if self._evaluate is None:
-            self._evaluate = jax.jit(self._eval_loss, out_shardings=NamedSharding(self.layout.mesh, P()))
-        return self._evaluate(state.params, batch, state.step, state.collections)
+
+            def evaluate(state: TrainState, batch: Any) -> jax.Array:
+                return self._eval_loss(self._param_blocks(state), batch, state.step, state.collections)
+
+            self._evaluate = jax.jit(evaluate, out_shardings=NamedSharding(self.layout.mesh, P()))
+        return self._evaluate(state, batch)
 
     def _train_step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         grads, loss, metrics, collections = self._gradients(
-            state.params, batch, state.step, state.collections
+            self._param_blocks(state), batch, state.step, state.collections
         )
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.master)
-        master = self._zero_padding(optax.apply_updates(state.master, updates))
         # As optax.apply_if_finite: a non-finite loss or gradient leaves master and optimizer state as
-        # they were (a select, so the state keeps its structure and checkpoints); the step still counts.
+        # they were; the step still counts. A branch, not a select of new against old: the select keeps
+        # the old state alive beside the new, so the updated moments could not be written in place
+        # (two OS-sized temporaries for AdamW, the step's peak where activations are small).
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        master = jax.tree.map(keep, master, state.master)
-        opt_state = jax.tree.map(keep, opt_state, state.opt_state)
-        collections = jax.tree.map(keep, collections, state.collections)
+
+        def apply(master: Any, opt_state: Any, _: Any) -> tuple[Any, Any, Any]:
+            updates, opt_state = self.optimizer.update(grads, opt_state, master)
+            return self._zero_padding(optax.apply_updates(master, updates)), opt_state, collections
+
+        def keep(master: Any, opt_state: Any, old_collections: Any) -> tuple[Any, Any, Any]:
+            return master, opt_state, old_collections
+
+        master, opt_state, collections = jax.lax.cond(
+            finite, apply, keep, state.master, state.opt_state, state.collections
+        )
         params = self._refresh(master, state.params)
         new_state = TrainState(state.step + 1, params, master, opt_state, collections)
         return new_state, {**metrics, "loss": loss, "grad_norm": grad_norm}

@@ -69,7 +69,10 @@ def test_prefetching_layer_loop_equals_reference(data, strategy):
 def test_every_state_leaf_has_its_planned_sharding(model, data, strategy):
     trainer, state, _ = trained(strategy, 1)
     layout = trainer.layout
-    for component, tree in [("params", state.params), ("opt_state", state.master)]:
+    # Where P and OS share a placement, P is the master cast in the step: nothing stored.
+    stored = [("opt_state", state.master)] + ([] if strategy == "zero3" else [("params", state.params)])
+    assert (state.params == {}) == (strategy == "zero3")
+    for component, tree in stored:
         for path, leaf in trainer.params_layout.leaves.items():
             array = tree
             for key in path:
@@ -96,7 +99,8 @@ def test_every_state_leaf_has_its_planned_sharding(model, data, strategy):
             assert canonical(moment.sharding.spec) in {
                 canonical(leaf.specs["opt_state"]) for leaf in trainer.params_layout.leaves.values()
             }
-    assert state.params["layers"]["layer"]["w1"].dtype == np.float32
+    if strategy != "zero3":
+        assert state.params["layers"]["layer"]["w1"].dtype == np.float32
 
 
 def test_strategy_axes_follow_the_nested_groups(model, data):
@@ -118,7 +122,8 @@ def test_strategy_axes_follow_the_nested_groups(model, data):
 def test_mixed_precision_tracks_the_fp32_reference(model, data, expected, strategy):
     expected_losses, expected_params = expected
     trainer, state, losses = trained(strategy, 3, precision="mixed")
-    assert state.params["layers"]["layer"]["w1"].dtype == jax.numpy.bfloat16
+    if strategy != "zero3":  # zero3 stores no P (the master cast in the step)
+        assert state.params["layers"]["layer"]["w1"].dtype == jax.numpy.bfloat16
     assert state.master["layers"]["layer"]["w1"].dtype == np.float32
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-2)
     diffs = jax.tree.map(
@@ -236,7 +241,9 @@ def test_evaluate_is_the_forward_loss_of_the_current_params(model, data, strateg
 def test_one_micro_batch_holds_g_in_the_reduce_dtype_at_no_cost_in_accuracy(monkeypatch):
     # Mixed precision reduces gradients in bf16, so with one micro-batch (nothing accumulates) an fp32
     # G holds a bf16 sum in a wider copy: the bf16 G trains bit for bit the same and, under ddp (G
-    # whole on every device), needs 2 bytes per parameter less temporary memory in the compiled step.
+    # whole on every device), needs less temporary memory in the compiled step. Not all of the 2 bytes
+    # per parameter: with an fp32 G the CPU program's peak is in the backward, with a bf16 G in the
+    # update, where the fp32 gradient the optimizer reads is live either way.
     wide = Llama(dataclasses.replace(TINY, dim=128, ffn_dim=256, vocab_size=256))
     data = train_data()
 
@@ -255,4 +262,4 @@ def test_one_micro_batch_holds_g_in_the_reduce_dtype_at_no_cost_in_accuracy(monk
     fp32_params, fp32_temp = run()
     assert jax.tree.all(jax.tree.map(np.array_equal, bf16_params, fp32_params))
     count = sum(x.size for x in jax.tree.leaves(bf16_params))
-    assert fp32_temp - bf16_temp >= 0.9 * 2 * count
+    assert fp32_temp - bf16_temp >= 1.2 * count
