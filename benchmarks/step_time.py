@@ -179,20 +179,24 @@ def abstract(tree: Any, shardings: Any = None) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def chosen_strategy(
+def chosen_plan(
     config: LlamaConfig, cluster: aj.Cluster, seq_len: int, global_batch: int, fallback: str
-) -> tuple[str, str]:
-    """The partitioner's strategy (micro-batch size 1, full remat), else `fallback`; and its source."""
+) -> tuple[aj.Plan, str]:
+    """The partitioner's whole choice (strategy and how it issues its collectives; micro-batch size 1,
+    full remat), else `fallback`; and its source."""
+    micro_batches = global_batch // cluster.num_devices
     try:
         from amsp_jax import partitioner
 
-        plan = partitioner.choose(
+        chosen = partitioner.choose(
             config, cluster, seq_len=seq_len, global_batch=global_batch, micro_batch_size=1, remat="full"
         )
     except Exception as error:  # the partitioner is young: any failure falls back, and says why
         reason = f"{type(error).__name__}: {error}"
-        return str(aj.resolve(fallback, cluster)), f"--chosen {fallback} (the partitioner failed: {reason})"
-    return str(plan.strategy), "amsp_jax.partitioner.choose at micro-batch size 1 and full remat"
+        plan = aj.Plan(cluster, aj.resolve(fallback, cluster), micro_batches, precision="mixed", remat="full")
+        return plan, f"--chosen {fallback} (the partitioner failed: {reason})"
+    source = "amsp_jax.partitioner.choose at micro-batch size 1 and full remat"
+    return chosen.to_plan(cluster, "mixed"), source
 
 
 def build_entries(
@@ -227,11 +231,16 @@ def build_entries(
             Entry(f"gspmd-{mode}", label, compiled, measured, time.perf_counter() - start, make_state, batch)
         )
 
-    strategy_of_chosen, source = chosen_strategy(config, cluster, seq_len, global_batch, chosen)
-    amsp = [(name, str(aj.resolve(name, cluster))) for name in PRESETS] + [("chosen", strategy_of_chosen)]
-    for name, strategy in amsp:
+    the_choice, source = chosen_plan(config, cluster, seq_len, global_batch, chosen)
+    amsp = [
+        (name, aj.Plan(cluster, aj.resolve(name, cluster), micro_batches, precision="mixed", remat="full"))
+        for name in PRESETS
+    ] + [("chosen", the_choice)]
+    for name, plan in amsp:
         start = time.perf_counter()
-        plan = aj.Plan(cluster, aj.Strategy.parse(strategy), micro_batches, precision="mixed", remat="full")
+        strategy = str(plan.strategy) + ("" if plan.hierarchical else ", flat") + (
+            ", scan" if plan.prefetch is False else ""
+        )
         trainer = aj.Trainer(plan, model, optimizer(), loss_fn, devices)
         trainer.setup(key, host_batch["inputs"])
         batch = trainer.shard_batch(host_batch)
