@@ -32,7 +32,7 @@ from amsp_jax.plan import Plan
 from amsp_jax.schedule import LeafSchedule, Schedule, grad_dtype
 from amsp_jax.schedule import build as build_schedule
 from amsp_jax.sharding import Layout, LeafLayout, batch_spec, leaf_layout, make_layout, pad, unpad
-from amsp_jax.xla import compiler_options
+from amsp_jax.xla import compiler_options, selects_in_place
 
 Path = tuple[str, ...]
 LossFn = Callable[[Any, Any], jax.Array]
@@ -411,11 +411,9 @@ class Trainer:
     # ---- the step ----------------------------------------------------------------------------------
 
     def _param_blocks(self, state: TrainState) -> Any:
-        """This step's P blocks: the stored P, or the master cast where P is not stored."""
-        if not self.schedule.params_from_master:
-            return state.params
-        dtype = jnp.dtype(self.plan.precision.param_dtype)
-        return jax.tree.map(lambda block: block.astype(dtype), state.master)
+        """The blocks the step gathers P from: the stored P, or the master where P is not stored (the
+        gathers cast it)."""
+        return state.master if self.schedule.params_from_master else state.params
 
     def _refresh(self, master: Any, previous: Any = None) -> Any:
         """New P from the OS-sharded master: cast, then the schedule's gathers (or a slice) onto P. With
@@ -461,10 +459,18 @@ class Trainer:
         grad_dtype = self._grad_dtype()
         remat, policy = plan.remat_policy()
 
+        # Blocks are cast where they are gathered (a no-op for a stored P): where P is the master
+        # (`schedule.params_from_master`), one layer's block at a time, never a whole cast copy.
+        param_dtype = jnp.dtype(plan.precision.param_dtype)
+
+        def gather_weights(leaf: LeafSchedule, block: jax.Array) -> jax.Array:
+            return collectives.gather_weights(layout, block.astype(param_dtype), leaf)
+
         def gather_fn(leaf: LeafSchedule) -> Callable[[jax.Array, jax.Array], jax.Array]:
             if leaf.frozen:  # no gradient, so no reduce-scatter: the sink stays zero
-                return lambda block, _: jax.lax.stop_gradient(collectives.gather_weights(layout, block, leaf))
-            return collectives.make_gather(layout, leaf, reduce_dtype, grad_dtype)
+                return lambda block, _: jax.lax.stop_gradient(gather_weights(leaf, block))
+            gather = collectives.make_gather(layout, leaf, reduce_dtype, grad_dtype)
+            return lambda block, sink: gather(block.astype(param_dtype), sink)
 
         def reduce_fn(leaf: LeafSchedule, grad: jax.Array) -> jax.Array:
             if leaf.frozen:  # the weight gradient is dropped (and its computation with it)
@@ -486,9 +492,7 @@ class Trainer:
             gathers = {p: gather_fn(leaf) for p, leaf in inner.items()}
             return StackOps(
                 gather_with_sink=per_leaf(lambda g, block, sink: g(block, sink), gathers),
-                gather=per_leaf(
-                    lambda leaf, block: collectives.gather_weights(layout, block, leaf), inner
-                ),
+                gather=per_leaf(gather_weights, inner),
                 reduce=per_leaf(reduce_fn, inner),
             ), inner
 
@@ -679,9 +683,8 @@ class Trainer:
         )
         grad_norm = optax.tree.norm(grads)
         # As optax.apply_if_finite: a non-finite loss or gradient leaves master and optimizer state as
-        # they were; the step still counts. A branch, not a select of new against old: the select keeps
-        # the old state alive beside the new, so the updated moments could not be written in place
-        # (two OS-sized temporaries for AdamW, the step's peak where activations are small).
+        # they were; the step still counts. A select of new against old where XLA writes it in place,
+        # else a branch (`xla.selects_in_place`: the form that needs fewer OS-sized temporaries).
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
         def apply(master: Any, opt_state: Any, _: Any) -> tuple[Any, Any, Any]:
@@ -691,9 +694,13 @@ class Trainer:
         def keep(master: Any, opt_state: Any, old_collections: Any) -> tuple[Any, Any, Any]:
             return master, opt_state, old_collections
 
-        master, opt_state, collections = jax.lax.cond(
-            finite, apply, keep, state.master, state.opt_state, state.collections
-        )
+        old = (state.master, state.opt_state, state.collections)
+        if selects_in_place(self.layout.mesh.devices.flat[0].platform):
+            master, opt_state, collections = jax.tree.map(
+                lambda new, kept: jnp.where(finite, new, kept), apply(*old), old
+            )
+        else:
+            master, opt_state, collections = jax.lax.cond(finite, apply, keep, *old)
         params = self._refresh(master, state.params)
         new_state = TrainState(state.step + 1, params, master, opt_state, collections)
         return new_state, {**metrics, "loss": loss, "grad_norm": grad_norm}

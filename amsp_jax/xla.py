@@ -59,6 +59,17 @@ def compiler_options(platform: str, layer_bytes: int = 0) -> dict[str, object] |
     return gpu_options(layer_bytes) if platform in ("gpu", "cuda", "rocm") else None
 
 
+def selects_in_place(platform: str) -> bool:
+    """Whether XLA writes `where(ok, new, old)` over an element-wise optimizer update in place.
+
+    GPU fuses the update and the select into kernels that read the old state and write the new over it
+    (LLaMA-7B mics at 1,024 A100s: 5.4 GiB of temporaries; 11.6 GiB as a branch, whose update XLA does
+    not run in place). XLA:CPU materialises the new moments before the select, so old and new are
+    alive together (100M zero3 on 8 CPU devices: 144 MiB of temporaries; 134 MiB as a branch).
+    """
+    return platform != "cpu"
+
+
 # XLA:CPU reads this when it creates the backend: a per-compile option leaves the schedule unchanged.
 CPU_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
 

@@ -240,26 +240,20 @@ def test_evaluate_is_the_forward_loss_of_the_current_params(model, data, strateg
 
 def test_one_micro_batch_holds_g_in_the_reduce_dtype_at_no_cost_in_accuracy(monkeypatch):
     # Mixed precision reduces gradients in bf16, so with one micro-batch (nothing accumulates) an fp32
-    # G holds a bf16 sum in a wider copy: the bf16 G trains bit for bit the same and, under ddp (G
-    # whole on every device), needs less temporary memory in the compiled step. Not all of the 2 bytes
-    # per parameter: with an fp32 G the CPU program's peak is in the backward, with a bf16 G in the
-    # update, where the fp32 gradient the optimizer reads is live either way.
-    wide = Llama(dataclasses.replace(TINY, dim=128, ffn_dim=256, vocab_size=256))
+    # G holds a bf16 sum in a wider copy: the bf16 G trains bit for bit the same. (Its memory saving
+    # is a GPU fact: XLA:CPU's peak of this step is in the update, where the optimizer's fp32 gradient
+    # is live either way; the GPU-compiled audits count G in bf16.)
     data = train_data()
 
     def run():
         plan = aj.Plan(CLUSTER, aj.ddp(CLUSTER), 1, precision="mixed")
-        trainer = aj.Trainer(plan, wide, optimizer(), make_loss_fn(wide))
+        trainer = aj.Trainer(plan, Llama(TINY), optimizer(), make_loss_fn(Llama(TINY)))
         state = trainer.init(jax.random.key(0), data[0]["inputs"])
         for batch in data:
             state, _ = trainer.step(state, batch)
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), data[0])
-        temp = trainer.compile(trainer.abstract_state(), abstract).memory_analysis().temp_size_in_bytes
-        return trainer.full_params(state), temp
+        return trainer.full_params(state)
 
-    bf16_params, bf16_temp = run()
+    bf16_params = run()
     monkeypatch.setattr(step_module, "grad_dtype", lambda micro_batches, reduce_dtype: "float32")
-    fp32_params, fp32_temp = run()
+    fp32_params = run()
     assert jax.tree.all(jax.tree.map(np.array_equal, bf16_params, fp32_params))
-    count = sum(x.size for x in jax.tree.leaves(bf16_params))
-    assert fp32_temp - bf16_temp >= 1.2 * count
