@@ -16,7 +16,6 @@ import traceback
 from typing import NoReturn
 
 from amsp_jax.errors import AmspError, is_input_error, one_line
-from amsp_jax.xla import add_cpu_flags
 
 COMMANDS = {
     "plan": "Choose the fastest strategy that fits, beside the usual presets.",
@@ -58,8 +57,6 @@ def simulate_host_devices(argv: list[str]) -> None:
 
     The flag only shapes the host (CPU) platform, so it is harmless where an accelerator is used.
     """
-    if "jax" not in sys.modules:
-        add_cpu_flags()  # devices that share a host need it for long runs (amsp_jax.xla)
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" in flags or "jax" in sys.modules:
         return

@@ -23,8 +23,6 @@ from collections.abc import Sequence
 import jax
 from jax._src import xla_bridge
 
-from amsp_jax.xla import add_cpu_flags
-
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -43,7 +41,6 @@ def simulate_cpu_devices(count: int) -> bool:
     if DEVICE_COUNT_FLAG in flags or backends_started():
         return False
     os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={count}".strip()
-    add_cpu_flags()  # devices that share a host need it for long runs (amsp_jax.xla)
     return True
 
 

@@ -807,6 +807,8 @@ class Trainer:
             lines.append(f"{component:<11} {placement} over {', '.join(axes)}")
         if pl is None:
             return "\n".join(lines)
+        if self.schedule.params_from_master:
+            lines.append("stored P    none: P and OS share one placement, so the gathers cast the master")
         if pl.layer_stacks:
             stacks = ", ".join("/".join(map(str, s)) for s in pl.layer_stacks)
             lines.append(f"gathering   per layer inside the layer scan of {stacks}")

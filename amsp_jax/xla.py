@@ -7,24 +7,18 @@ weights through the scan, which would make them scan residuals and keep every la
 Combine thresholds sized to one layer keep XLA from merging several layers' collectives into one
 that can no longer overlap. The names follow MaxText's H100 settings.
 
-On CPU, runs of many steps need one flag, for correctness (`add_cpu_flags`): XLA:CPU's
-concurrency-optimised scheduler lets independent collectives (one leaf's G→OS reduce-scatter,
-another's P refresh all-gather) become ready together; its runtime then runs some of them on a
-thread pool that every simulated device shares, and when devices take them in different orders
-every pool thread can end up waiting in a rendezvous that a device without a thread must join: the
-step hangs until XLA aborts the process. Seen with p=2x1,g=4x1,os=4x2 on 2 x 4 devices within a
-few hundred steps; with the scheduler off, 2,000 steps ran, no slower. The flag must be in
-XLA_FLAGS when the backend starts (as a per-compile option XLA ignores it). It changes the CPU
-schedule and so the compiled memory of some plans (a tiny model under p=4x2,g=4x1,os=1x1: 524 KB
-to 648 KB), so it is set where simulated devices are made for training and benchmarks
-(`amsp_jax.distributed.simulate_cpu_devices`, the `amsp-jax` command, `benchmarks/`), not on import:
-the tests compile XLA's default CPU schedule.
+On CPU, simulated devices share one process, and XLA:CPU's runtime meets their collectives in a
+rendezvous keyed by run, devices, kind and op id. JAX gives every shard_map collective the same
+channel id, hence the same op id, so two collectives over one device group that a device has in
+flight at once share a key. Both of XLA:CPU's schedules let that happen for some programs: the
+concurrency-optimised one (the default) hung p=2x1,g=4x1,os=4x2 on 2 x 4 devices after a few hundred
+steps; with it off, zero3 of `amsp-jax profile`'s probe-b model crashed in its first steps (more
+participants than devices in one rendezvous). amsp_jax keeps XLA's default, which the tests compile.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 _MIB = 1 << 20
 # A file where XLA keeps the GPU kernels it built, so that compiling many plans of one model (the audit
@@ -68,19 +62,3 @@ def selects_in_place(platform: str) -> bool:
     alive together (100M zero3 on 8 CPU devices: 144 MiB of temporaries; 134 MiB as a branch).
     """
     return platform != "cpu"
-
-
-# XLA:CPU reads this when it creates the backend: a per-compile option leaves the schedule unchanged.
-CPU_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
-
-
-def add_cpu_flags() -> bool:
-    """Add `CPU_FLAGS` to XLA_FLAGS unless JAX has already created its backends; True if added."""
-    bridge = sys.modules.get("jax._src.xla_bridge")
-    if bridge is not None and bridge.backends_are_initialized():
-        return False
-    flags = os.environ.get("XLA_FLAGS", "")
-    missing = [flag for flag in CPU_FLAGS if flag.partition("=")[0] not in flags]
-    if missing:
-        os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
-    return bool(missing)

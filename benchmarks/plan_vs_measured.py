@@ -34,12 +34,7 @@ import amsp_jax as aj
 from amsp_jax import audit, cost, partitioner, timing
 from amsp_jax.cluster_config import load
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
-from amsp_jax.xla import add_cpu_flags
 from benchmarks.step_time import make_batch, optimizer
-
-# Hundreds of steps of arbitrary plans on simulated devices need the flag that keeps XLA:CPU from
-# hanging; JAX reads it when it first creates a backend, which importing does not do.
-add_cpu_flags()
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ("ddp", "zero1", "zero2", "zero3", "mics")

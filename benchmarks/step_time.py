@@ -44,12 +44,8 @@ import amsp_jax as aj
 from amsp_jax import audit, hlo
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from amsp_jax.sharding import ordered_devices
-from amsp_jax.xla import add_cpu_flags, compiler_options
+from amsp_jax.xla import compiler_options
 from benchmarks.peer_gspmd import CLAIM_PAIRS, build_gspmd_step, claim_violations, make_mesh, measure_peer
-
-# Hundreds of steps of arbitrary plans on simulated devices need the flag that keeps XLA:CPU from
-# hanging; JAX reads it when it first creates a backend, which importing does not do.
-add_cpu_flags()
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ("ddp", "zero1", "zero2", "zero3", "mics")

@@ -39,7 +39,7 @@ def dropout_loss(model):
 
 def reference(model, batches, micro_batches):
     """Mean over (slice, micro-batch) of the loss and its gradient, each with its own key."""
-    loss_fn = dropout_loss(model)
+    grad_fn = jax.jit(jax.value_and_grad(dropout_loss(model), has_aux=True))
     params = model.init(jax.random.key(0), batches[0]["inputs"])["params"]
     opt = optimizer()
     opt_state = opt.init(params)
@@ -53,7 +53,7 @@ def reference(model, batches, micro_batches):
                 start = (shard * micro_batches + micro) * size
                 chunk = jax.tree.map(lambda x, start=start, size=size: x[start : start + size], batch)
                 key = aj.rng_for(SEED, step, micro, shard)
-                results.append(jax.value_and_grad(loss_fn, has_aux=True)(params, chunk, key))
+                results.append(grad_fn(params, chunk, key))
         (losses, metrics), grads = jax.tree.map(lambda *xs: sum(xs) / len(xs), *results)
         updates, opt_state = opt.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
