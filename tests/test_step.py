@@ -144,7 +144,7 @@ def _compiled_bytes(trainer, state, batch):
 
 
 def test_zero3_step_does_not_keep_gathered_weights():
-    config = LlamaConfig(vocab_size=256, dim=256, n_layers=8, n_heads=4, n_kv_heads=4, ffn_dim=512)
+    config = LlamaConfig(vocab_size=256, dim=256, n_layers=12, n_heads=4, n_kv_heads=4, ffn_dim=512)
     model = Llama(config)
     data = batches(8, 1, vocab=256)
     full_bytes = 4 * config.num_params()
