@@ -245,7 +245,7 @@ class Terms:
         """Seconds of the step's memory-bound passes, by what they depend on (`timing.memory_times`)."""
         s, pi = choice.strategy, self.profile(choice.strategy)
         return {
-            "params": self.passes[("P", s.params, pi)],
+            "params": 0.0 if params_from_master(s) else self.passes[("P", s.params, pi)],
             "grads": self.passes[("G", s.grads, pi)],
             "opt_state": self.passes[("OS", s.opt_state, pi)],
             "every plan": self.fixed_passes[(choice.micro_batch_size, choice.remat)],
@@ -557,10 +557,10 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
     )
     # P on OS's placement is not stored (`schedule.params_from_master`): the pair variable of the
     # refresh from OS onto the same placement takes its bytes off both peaks.
-    for (a, o, pi), v in z_ref.items():
-        if params_from_master(Strategy(a, a, o)):
-            mem -= terms.p_memory[(a, pi, "params only")] / GIB * v
-            update_mem -= terms.p_memory[(a, pi, "params only")] / GIB * v
+    from_master = {(a, o, pi): v for (a, o, pi), v in z_ref.items() if params_from_master(Strategy(a, a, o))}
+    for (a, _, pi), v in from_master.items():
+        mem -= terms.p_memory[(a, pi, "params only")] / GIB * v
+        update_mem -= terms.p_memory[(a, pi, "params only")] / GIB * v
     # The schedule's rules as products of binaries: G counts twice in fp32 with an accumulator, and the
     # prefetch loop holds one more gathered layer for the (batching, remat) pairs that run it.
     micro = dict(terms.batchings)
@@ -641,6 +641,9 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
     prob += (
         scale * total(terms.compute[k].total * w[k] for k in w)
         + scale * total(terms.passes[(c, *k)] * z[(c, *k)] for c in COMPONENTS for k in terms.possible)
+        # A P that is the master (no stored block) has no passes of its own: the pair variable takes
+        # them off, as it takes its bytes off the memory.
+        - scale * total(terms.passes[("P", a, pi)] * v for (a, _, pi), v in from_master.items())
         + scale * total(terms.fixed_passes[k] * w[k] for k in w)
         + total(exposed.values())
     )

@@ -209,12 +209,12 @@ def optimizer_time(memory: Memory, param_bytes: int, cluster: ClusterConfig) -> 
 
 def pass_blocks(memory: Memory, workload: Workload) -> dict[str, float]:
     """Bytes per device of each block the step's memory-bound kernels pass over
-    (`cluster_config.PASS_BLOCKS`): the P block (stored or cast from the master), the G block counted
-    in fp32 whatever its dtype (so a plan's G term does not hang on its micro-batch count), the fp32
-    master, every parameter in fp32, the activations."""
+    (`cluster_config.PASS_BLOCKS`): the stored P block (none where the gathers cast the master), the G
+    block counted in fp32 whatever its dtype (so a plan's G term does not hang on its micro-batch
+    count), the fp32 master, every parameter in fp32, the activations."""
     grad_itemsize = jnp.dtype(grad_dtype(workload.micro_batches, workload.precision.reduce_dtype)).itemsize
     return {
-        "params": float(memory.param_blocks),
+        "params": float(memory.params),
         "grads": float(memory.grads) * FP32 / grad_itemsize,
         "opt_state": float(memory.master),
         "model": float(FP32 * workload.num_params),
