@@ -313,7 +313,7 @@ def workload_of(trainer: Any, batch: Any, dims: cost.ModelDims) -> cost.Workload
     global_batch, seq_len = jax.tree.leaves(batch)[0].shape[:2]
     plan = trainer.plan
     micro_batch_size = global_batch // (plan.cluster.num_devices * plan.micro_batches)
-    on_cpu = trainer.layout.mesh.devices.flat[0].platform == "cpu"
+    on_cpu = trainer.layout.platform == "cpu"
     master = layout.tree(lambda _, leaf: jax.ShapeDtypeStruct(leaf.padded, np.float32))
     return cost.Workload(
         leaves,

@@ -45,7 +45,7 @@ from amsp_jax.errors import one_line
 from amsp_jax.space import Cluster
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce")
-# The blocks a step's memory-bound kernels pass over (amsp_jax.timing.memory_pass_times).
+# The blocks a step's memory-bound kernels pass over (amsp_jax.timing.memory_times).
 PASS_BLOCKS = ("params", "grads", "opt_state", "model", "activations")
 PASS_KEYS = ("bandwidth_gbps", "step_overhead_ms", *PASS_BLOCKS)
 LEVELS = ("intra", "inter")

@@ -711,12 +711,14 @@ def memory_traffic(hlo_text: str) -> int:
     """
     computations, entry = _parse_module(hlo_text)
     counts, _ = _execution_counts(computations, entry)
+    # Bodies of fusions and wrappers, and reductions' `to_apply`, run inside their caller's kernel; a
+    # `call`'s `to_apply` runs as instructions of its own.
     inlined = {
         callee
         for body in computations.values()
         for ins in body.values()
         for key in ("calls", "to_apply")
-        if ins.opcode not in ("call", "while", "conditional") or key == "calls"
+        if not (ins.opcode == "call" and key == "to_apply")
         for callee in _names(ins.attrs.get(key, ""))
     }
     matrix = {

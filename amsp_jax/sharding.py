@@ -64,6 +64,11 @@ class Layout(AxisPlan):
 
     mesh: Mesh
 
+    @property
+    def platform(self) -> str:
+        """The devices' platform (`cpu`, `gpu`, `cuda`, ...)."""
+        return self.mesh.devices.flat[0].platform
+
 
 def _chain(
     degrees: Sequence[int], total: int, prefix: str

@@ -695,7 +695,7 @@ class Trainer:
             return master, opt_state, old_collections
 
         old = (state.master, state.opt_state, state.collections)
-        if selects_in_place(self.layout.mesh.devices.flat[0].platform):
+        if selects_in_place(self.layout.platform):
             master, opt_state, collections = jax.tree.map(
                 lambda new, kept: jnp.where(finite, new, kept), apply(*old), old
             )
@@ -777,8 +777,7 @@ class Trainer:
         key = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), batch)
         key = str(jax.tree.structure(batch)), tuple(jax.tree.leaves(key))
         if key not in self._compiled:
-            platform = self.layout.mesh.devices.flat[0].platform
-            options = compiler_options(platform, self._largest_gather_bytes())
+            options = compiler_options(self.layout.platform, self._largest_gather_bytes())
             self._compiled[key] = self.lower(state, batch).compile(options)
         return self._compiled[key]
 
