@@ -59,14 +59,15 @@ def mark_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def gather_weights(layout: AxisPlan, p_block: jax.Array, leaf: LeafSchedule) -> jax.Array:
-    """The full leaf (one layer of a stacked one) from this device's P block, its padding cut off, typed
-    varying over every axis like the batch it meets.
+def gather_weights(layout: AxisPlan, p_block: jax.Array, leaf: LeafSchedule, dtype: jnp.dtype) -> jax.Array:
+    """The full leaf (one layer of a stacked one) in `dtype` from this device's P block, its padding cut
+    off, typed varying over every axis like the batch it meets.
 
-    Without that typing, autodiff would insert a hidden psum of the cotangent over the axes P is
-    replicated on.
+    The block is cast before the gather: a no-op for a stored P, and where P is the fp32 master
+    (`schedule.params_from_master`) one layer's block at a time, never a whole cast copy. Without the
+    typing, autodiff would insert a hidden psum of the cotangent over the axes P is replicated on.
     """
-    full = unpad(execute(p_block, leaf.gather), leaf.gathered_shape)
+    full = unpad(execute(p_block.astype(dtype), leaf.gather), leaf.gathered_shape)
     return mark_varying(full, layout.all_axes)
 
 
@@ -81,7 +82,11 @@ def reduce_gradient(
 
 
 def make_gather(
-    layout: AxisPlan, leaf: LeafSchedule, reduce_dtype: jnp.dtype, grad_dtype: jnp.dtype
+    layout: AxisPlan,
+    leaf: LeafSchedule,
+    param_dtype: jnp.dtype,
+    reduce_dtype: jnp.dtype,
+    grad_dtype: jnp.dtype,
 ) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """`gather(p_block, g_sink) -> full leaf` whose gradient lands in `g_sink`, reduce-scattered over G.
 
@@ -92,7 +97,7 @@ def make_gather(
     @jax.custom_vjp
     def gather(p_block: jax.Array, g_sink: jax.Array) -> jax.Array:
         del g_sink
-        return gather_weights(layout, p_block, leaf)
+        return gather_weights(layout, p_block, leaf, param_dtype)
 
     def forward(p_block: jax.Array, g_sink: jax.Array) -> tuple[jax.Array, None]:
         return gather(p_block, g_sink), None

@@ -459,18 +459,15 @@ class Trainer:
         grad_dtype = self._grad_dtype()
         remat, policy = plan.remat_policy()
 
-        # Blocks are cast where they are gathered (a no-op for a stored P): where P is the master
-        # (`schedule.params_from_master`), one layer's block at a time, never a whole cast copy.
         param_dtype = jnp.dtype(plan.precision.param_dtype)
 
         def gather_weights(leaf: LeafSchedule, block: jax.Array) -> jax.Array:
-            return collectives.gather_weights(layout, block.astype(param_dtype), leaf)
+            return collectives.gather_weights(layout, block, leaf, param_dtype)
 
         def gather_fn(leaf: LeafSchedule) -> Callable[[jax.Array, jax.Array], jax.Array]:
             if leaf.frozen:  # no gradient, so no reduce-scatter: the sink stays zero
                 return lambda block, _: jax.lax.stop_gradient(gather_weights(leaf, block))
-            gather = collectives.make_gather(layout, leaf, reduce_dtype, grad_dtype)
-            return lambda block, sink: gather(block.astype(param_dtype), sink)
+            return collectives.make_gather(layout, leaf, param_dtype, reduce_dtype, grad_dtype)
 
         def reduce_fn(leaf: LeafSchedule, grad: jax.Array) -> jax.Array:
             if leaf.frozen:  # the weight gradient is dropped (and its computation with it)
