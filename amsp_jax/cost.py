@@ -112,21 +112,40 @@ class Workload:
         """Model FLOPs per token, forward and backward: 6Φ + 12·L·H·Q·T (Megatron/PaLM convention).
 
         The same for every attention implementation: no causal halving, no recomputation (those are
-        in `attention_recompute_flops_per_token` and the time model's remat terms).
+        `attention_square_fraction`, `attention_recompute_flops_per_token` and the time model's remat
+        terms).
         """
         d = self.dims
         return 6 * self.num_params + 12 * d.n_layers * d.n_heads * d.head_dim * self.seq_len
+
+    def attention_square_fraction(self) -> float:
+        """The fraction of the (seq, seq) score square whose matmuls the attention runs.
+
+        The materialising attention runs all of it and masks the upper triangle. A flash-style kernel
+        skips every tile above the diagonal (FlashAttention-2, arXiv 2307.08691 §3.1: the causal kernel
+        runs 1.7–1.8× faster than the unmasked one). Counted at the blockwise attention's tiling
+        (`attention_block`, padding included), which is exact for it; cuDNN's tiles are smaller, so it
+        skips a little more than counted.
+        """
+        d = self.dims
+        if d.materialises_scores:
+            return 1.0
+        blocks = -(-self.seq_len // d.attention_block)
+        block = -(-self.seq_len // blocks)
+        return blocks * (blocks + 1) // 2 * block * block / self.seq_len**2
 
     def attention_recompute_flops_per_token(self) -> int:
         """FLOPs per token a flash-style attention's backward adds: it recomputes the scores Q·Kᵀ.
 
         Its backward runs five (seq, seq)-sized matmuls (Q·Kᵀ again, dV, dP, dQ, dK) where the
-        materialising one runs four, so 2·L·H·Q·T more per token; like `flops_per_token`, counted over
-        the whole square (the causal block skipping of cuDNN and the blockwise attention, which
-        roughly halves every attention matmul at long sequence, is not credited).
+        materialising one runs four, so 2·L·H·Q·T more per token over the whole square; the kernel
+        runs `attention_square_fraction` of it.
         """
         d = self.dims
-        return 0 if d.materialises_scores else 2 * d.n_layers * d.n_heads * d.head_dim * self.seq_len
+        if d.materialises_scores:
+            return 0
+        square = 2 * d.n_layers * d.n_heads * d.head_dim * self.seq_len
+        return round(square * self.attention_square_fraction())
 
     def with_(self, **changes: object) -> Workload:
         """A copy with some fields changed."""

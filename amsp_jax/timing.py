@@ -10,7 +10,9 @@ Compute: model FLOPs per token 6Φ + 12·L·H·Q·T (forward 1/3, backward 2/3) 
 again — `full` repeats each layer's forward (2Φ_layers + 4·L·H·Q·T per token); `dots` keeps every
 projection's output (`dots_with_no_batch_dims_saveable`) and repeats only the attention matmuls,
 whose dot_generals carry batch dimensions (4·L·H·Q·T per token); `none` repeats nothing — over
-peak × efficiency.
+peak × efficiency. Every attention matmul is counted over the part of the (seq, seq) square the kernel
+runs (`Workload.attention_square_fraction`: a flash-style kernel skips the tiles above the diagonal,
+about half at long sequences), while MFU's model FLOPs count the whole square.
 
 Overlap, per window (exposed = max(0, communication − compute it hides behind)):
   - forward: each layer's P gather is prefetched behind the previous layer's forward;
@@ -177,7 +179,8 @@ class Compute:
 def recompute_flops_per_token(workload: Workload) -> int:
     """FLOPs per token that remat, or a flash-style attention's backward, runs a second time."""
     d = workload.dims
-    attention_forward = 4 * d.n_layers * d.n_heads * d.head_dim * workload.seq_len
+    square = 4 * d.n_layers * d.n_heads * d.head_dim * workload.seq_len
+    attention_forward = round(square * workload.attention_square_fraction())
     layer_params = sum(leaf.size for leaf in workload.leaves if leaf.stacked)
     remat = {"none": 0, "dots": attention_forward, "full": 2 * layer_params + attention_forward}
     return remat[workload.remat] + workload.attention_recompute_flops_per_token()
@@ -189,7 +192,8 @@ def compute_times(workload: Workload, cluster: ClusterConfig) -> Compute:
     tokens = workload.tokens_per_device()
     layer_params = sum(leaf.size for leaf in workload.leaves if leaf.stacked)
     other_params = workload.num_params - layer_params
-    attention = 12 * d.n_layers * d.n_heads * d.head_dim * workload.seq_len
+    square = 12 * d.n_layers * d.n_heads * d.head_dim * workload.seq_len
+    attention = round(square * workload.attention_square_fraction())
     layer_forward = 2 * layer_params + attention // 3
     seconds = tokens / cluster.sustained_flops
     return Compute(

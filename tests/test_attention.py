@@ -91,12 +91,38 @@ def test_cost_model_has_no_score_term_for_memory_efficient_attention():
         ]
         # Linear in the sequence without the scores; nearly quadratic with them.
         assert sizes[1] / sizes[0] == pytest.approx(grows, rel=0.05)
-    # The flash backward recomputes Q·Kᵀ: 2·L·H·Q·T FLOPs per token more; model FLOPs are unchanged.
+    # The flash backward recomputes Q·Kᵀ (2·L·H·Q·T FLOPs per token over the square, on the tiles it runs).
     flash = cost.llama_workload(config, 4096)
     naive = cost.llama_workload(dataclasses.replace(config, attention="xla"), 4096)
     assert flash.flops_per_token() == naive.flops_per_token()
-    extra = timing.recompute_flops_per_token(flash) - timing.recompute_flops_per_token(naive)
-    assert extra == 2 * config.n_layers * config.n_heads * config.head_dim * 4096
+    extra = timing.recompute_flops_per_token(flash.with_(remat="none"))
+    assert timing.recompute_flops_per_token(naive.with_(remat="none")) == 0
+    square = 2 * config.n_layers * config.n_heads * config.head_dim * 4096
+    assert extra == pytest.approx(square * flash.attention_square_fraction(), abs=1)
+
+
+@pytest.mark.parametrize(("seq", "block"), [(64, 16), (100, 30), (37, 8), (16, 512)])
+def test_the_time_model_counts_the_score_tiles_the_blockwise_attention_runs(seq, block, monkeypatch):
+    # Count every (query block, key block) tile the kernel computes, forward and backward, as it runs.
+    tiles = []
+    scores = attention._scores
+
+    def counted(q_i, k_j, i, j, scale):
+        jax.debug.callback(lambda: tiles.append(1))
+        return scores(q_i, k_j, i, j, scale)
+
+    monkeypatch.setattr(attention, "_scores", counted)
+    q = jnp.ones((1, seq, 2, 8))
+    jax.grad(lambda q: attention.blockwise_attention(q, q, q, block).sum())(q)
+    jax.effects_barrier()
+    rows = len(attention._split(q, -(-seq // min(block, seq)), 2)[0, 0])  # one tile's side, padding included
+    config = LlamaConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32,
+                         attention="blockwise", attention_block=block)  # fmt: skip
+    flash = cost.llama_workload(config, seq)
+    # Half the tiles in the forward, half in the backward's recomputation.
+    assert len(tiles) / 2 * rows * rows / seq**2 == pytest.approx(flash.attention_square_fraction())
+    naive = cost.llama_workload(dataclasses.replace(config, attention="xla"), seq)
+    assert naive.attention_square_fraction() == 1.0
 
 
 LONG = 1024
