@@ -17,7 +17,11 @@ smallest one costs (latency-bound), above the largest the bandwidth stays flat.
     devices_per_node: 8
     collective_min_itemsize: 1    # optional; 4 where 16-bit collectives run in fp32 (XLA:CPU)
     device: {name, memory_bytes, usable_memory_fraction, peak_flops, compute_efficiency,
-             hbm_bandwidth}
+             hbm_bandwidth, matmul_rates}
+                                  # matmul_rates (optional, written by `amsp-jax profile`): rows
+                                  # [tokens, GFLOP/s]: the rate of a layer's matmuls over that many
+                                  # tokens at once; without them every matmul runs at
+                                  # peak_flops × compute_efficiency
     overlap: {enabled, reduction_fraction, interference}   # enabled: false where collectives block compute
     latency: {base_us, intra_hop_us, inter_hop_us}   # optional: NCCL-style ring latency per op
     memory_passes: {bandwidth_gbps, step_overhead_ms, params, grads, opt_state, model, activations}
@@ -147,6 +151,10 @@ class ClusterConfig:
     memory_passes: Mapping[str, float] | None = None  # bytes touched per byte of each block (timing)
     pass_bandwidth: float = 0.0  # bytes/s of those passes while the step runs
     step_overhead: float = 0.0  # seconds per step that no term of the time model covers
+    # FLOP/s of a layer's matmuls by the tokens they run over at once (interpolated as the bandwidth
+    # tables are: a few dozen tokens per device run far below the large-matmul rate on a CPU); None:
+    # every matmul at `sustained_flops`.
+    matmul_rates: BandwidthTable | None = None
 
     @property
     def memory_limit(self) -> float:
@@ -157,6 +165,12 @@ class ClusterConfig:
     def sustained_flops(self) -> float:
         """FLOP/s one device sustains on the model's compute."""
         return self.peak_flops * self.compute_efficiency
+
+    def matmul_rate(self, tokens: float) -> float:
+        """FLOP/s of one device's matmuls over `tokens` rows at once (`sustained_flops` without a table)."""
+        if self.matmul_rates is None:
+            return self.sustained_flops
+        return self.matmul_rates.at(tokens) * self.compute_efficiency
 
     def cluster(self, nodes: int | None = None) -> Cluster:
         """The partition-space cluster of `nodes` (default: the config's) nodes."""
@@ -290,6 +304,11 @@ def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> Clust
         memory_passes=passes and {block: passes[block] for block in PASS_BLOCKS},
         pass_bandwidth=passes["bandwidth_gbps"] * GB if passes else 0.0,
         step_overhead=passes["step_overhead_ms"] * 1e-3 if passes else 0.0,
+        matmul_rates=(
+            None
+            if device.get("matmul_rates") is None
+            else BandwidthTable.from_rows(device["matmul_rates"], f"{where}: device.matmul_rates")
+        ),
     )
 
 

@@ -9,10 +9,12 @@ executions)` (NCCL's ring latency grows with the ring; see `amsp_jax.cluster_con
 Compute: model FLOPs per token 6Φ + 12·L·H·Q·T (forward 1/3, backward 2/3) plus what remat runs
 again — `full` repeats each layer's forward (2Φ_layers + 4·L·H·Q·T per token); `dots` keeps every
 projection's output (`dots_with_no_batch_dims_saveable`) and repeats only the attention matmuls,
-whose dot_generals carry batch dimensions (4·L·H·Q·T per token); `none` repeats nothing — over
-peak × efficiency. Every attention matmul is counted over the part of the (seq, seq) square the kernel
-runs (`Workload.attention_square_fraction`: a flash-style kernel skips the tiles above the diagonal,
-about half at long sequences), while MFU's model FLOPs count the whole square.
+whose dot_generals carry batch dimensions (4·L·H·Q·T per token); `none` repeats nothing — each
+matmul at the rate the cluster gives the tokens it runs over (`matmul_rates`: peak × efficiency
+unless `amsp-jax profile` measured how much slower a few dozen tokens run). Every attention matmul
+is counted over the part of the (seq, seq) square the kernel runs (`Workload.attention_square_fraction`:
+a flash-style kernel skips the tiles above the diagonal, about half at long sequences), while MFU's
+model FLOPs count the whole square.
 
 Overlap, per window (exposed = max(0, communication − compute it hides behind)):
   - forward: each layer's P gather is prefetched behind the previous layer's forward;
@@ -195,7 +197,8 @@ def compute_times(workload: Workload, cluster: ClusterConfig) -> Compute:
     square = 12 * d.n_layers * d.n_heads * d.head_dim * workload.seq_len
     attention = round(square * workload.attention_square_fraction())
     layer_forward = 2 * layer_params + attention // 3
-    seconds = tokens / cluster.sustained_flops
+    # Every matmul of a micro-batch runs over its tokens at once (the attention's over its queries).
+    seconds = tokens / cluster.matmul_rate(workload.micro_batch_size * workload.seq_len)
     return Compute(
         forward_layers=layer_forward * seconds,
         backward_layers=(2 * layer_forward + recompute_flops_per_token(workload)) * seconds,

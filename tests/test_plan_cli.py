@@ -85,6 +85,9 @@ def test_profile_writes_a_cluster_config_the_planner_reads(tmp_path, capsys):
         for level in LEVELS:
             assert config.bandwidth[(kind, level)].sizes == (4096.0, 16384.0)
     assert config.peak_flops > 0 and config.collective_min_itemsize == 4
+    # The matmul sweep over tokens: slower over 2 tokens than over 2048.
+    assert config.matmul_rates.sizes == (2, 8, 32, 128, 512, 2048)
+    assert config.matmul_rate(2) < config.matmul_rate(2048)
     assert config.memory_passes is None and not config.overlap_enabled
     assert "wrote" in capsys.readouterr().out
 

@@ -170,3 +170,21 @@ def test_memory_passes_predict_the_compiled_traffic_of_a_model_and_plans_the_pro
     blocks = timing.pass_blocks(memory, workload)
     predicted = sum(hardware.memory_passes[b] * blocks[b] for b in PASS_BLOCKS)
     assert predicted == pytest.approx(hlo.memory_traffic(compiled.as_text()), rel=0.3)
+
+
+def test_matmuls_run_at_the_rate_the_cluster_gives_their_tokens():
+    config = load("configs/clusters/cpu-sim.yaml")
+    table = BandwidthTable((16.0, 64.0), (1e9, 4e9))  # FLOP/s of matmuls over 16 and 64 tokens
+    w = llama_workload(dataclasses.replace(MODEL, attention="xla"), 64, 1, 2, remat="none")
+    fast, slow = (
+        timing.compute_times(x, dataclasses.replace(config, matmul_rates=table))
+        for x in (w, w.with_(seq_len=16, micro_batches=8))
+    )
+    # The same FLOPs per token and tokens per step; four times slower over 16 tokens at once.
+    flops = (w.flops_per_token() * w.tokens_per_device())
+    assert fast.total == pytest.approx(flops / 4e9)
+    slow_flops = w.with_(seq_len=16).flops_per_token() * 16 * 8
+    assert slow.total == pytest.approx(slow_flops / 1e9)
+    # Without a table every matmul runs at the device's one rate.
+    flat = timing.compute_times(w, dataclasses.replace(config, matmul_rates=None))
+    assert flat.total == pytest.approx(flops / config.sustained_flops)

@@ -99,9 +99,14 @@ def measure_collective(mesh: object, kind: str, axis: str, size: float, repeats:
     return sent / _median_seconds(lambda: fn(x).block_until_ready(), repeats)
 
 
-def measure_compute(devices: list, repeats: int) -> tuple[float, float]:
-    """(matmul FLOP/s, memory bandwidth bytes/s) per device with every local device busy at once, as in a
-    step: simulated CPU devices share the host's cores and memory. bf16 on accelerators, fp32 on the CPU."""
+def measure_compute(devices: list, repeats: int) -> tuple[float, float, list[tuple[int, float]]]:
+    """(large-matmul FLOP/s, memory bandwidth bytes/s, [(tokens, FLOP/s of a layer-like matmul over
+    that many tokens)]) per device with every local device busy at once, as in a step: simulated CPU
+    devices share the host's cores and memory. bf16 on accelerators, fp32 on the CPU.
+
+    The sweep multiplies (tokens × width) by (width × width): a layer's projection over the tokens one
+    device runs at once, which on a CPU decides more of the rate than the width does.
+    """
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -112,14 +117,20 @@ def measure_compute(devices: list, repeats: int) -> tuple[float, float]:
     mesh = Mesh(np.array(local, dtype=object), ("local",))
     each = P("local")
     dtype = jnp.float32 if local[0].platform == "cpu" else jnp.bfloat16
+
+    def rate(rows: int, width: int) -> float:
+        a = jax.device_put(jnp.ones((len(local) * rows, width), dtype), NamedSharding(mesh, each))
+        b = jax.device_put(jnp.ones((len(local) * width, width), dtype), NamedSharding(mesh, each))
+        matmul = jax.jit(jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(each, each), out_specs=each))
+        return 2 * rows * width**2 / _median_seconds(lambda: matmul(a, b).block_until_ready(), repeats)
+
     n = 1024 if local[0].platform == "cpu" else 8192
-    a = jax.device_put(jnp.ones((len(local) * n, n), dtype), NamedSharding(mesh, each))
-    matmul = jax.jit(jax.shard_map(lambda a: a @ a[:n], mesh=mesh, in_specs=each, out_specs=each))
-    flops = 2 * n**3 / _median_seconds(lambda: matmul(a).block_until_ready(), repeats)
+    flops = rate(n, n)
+    sweep = [(tokens, rate(tokens, n // 2)) for tokens in (2, 8, 32, 128, 512, 2048)]
     v = jax.device_put(jnp.ones((len(local) * 2**24,), jnp.float32), NamedSharding(mesh, each))
     scale = jax.jit(jax.shard_map(lambda v: v * 2.0, mesh=mesh, in_specs=each, out_specs=each))
     bandwidth = 2 * 4 * 2**24 / _median_seconds(lambda: scale(v).block_until_ready(), repeats)
-    return flops, bandwidth
+    return flops, bandwidth, sweep
 
 
 def _device_memory(device: object, devices: int) -> tuple[float, str]:
@@ -158,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
                 rows = tables.get(kind, {}).get(other) or [(s, 1e9) for s in sizes]
                 notes[level] = f"not measured (one device per group): copied from {other}"
             tables.setdefault(kind, {})[level] = rows
-    flops, hbm = measure_compute(devices, args.repeats)
+    flops, hbm, matmuls = measure_compute(devices, args.repeats)
     memory, memory_source = _device_memory(devices[0], len(devices) // max(1, jax.process_count()))
     platform = devices[0].platform
 
@@ -184,6 +195,9 @@ def run(args: argparse.Namespace) -> int:
         f"  peak_flops: {flops:.4e}     # measured {matmul_dtype} matmul, every device at once",
         "  compute_efficiency: 1.0     # the measured matmul rate already is what the device sustains",
         f"  hbm_bandwidth: {hbm:.4e}     # measured: an elementwise op over 64 MiB per device, all at once",
+        "  matmul_rates:     # measured: [tokens, GFLOP/s] of (tokens x W) @ (W x W), W = half the",
+        "                    # square above, every device at once",
+        *(f"    - [{tokens}, {rate / 1e9:.4g}]" for tokens, rate in matmuls),
         "overlap:",
         *(["  enabled: false     # XLA:CPU runs collectives as blocking rendezvous on the compute threads"]
           if platform == "cpu" else []),
