@@ -500,9 +500,30 @@ def _collective(
         source_target_pairs=tuple((p[0], p[1]) for p in pairs),
         trip_count=trip_count,
         dtype=first.group(1) if first else "",
-        scalar=all(not dims.strip() for _, dims in _ARRAY.findall(output)),
+        scalar=all(not dims.strip() for _, dims in _ARRAY.findall(output))
+        or (kind == "all-reduce" and _concatenated_scalars(ins, body)),
         op_name=_op_name(ins),
     )
+
+
+def _elements(shape: str) -> int | None:
+    """Elements of an array shape (None for a tuple or an unknown shape)."""
+    arrays = _ARRAY.findall(shape)
+    if len(arrays) != 1 or shape.startswith("("):
+        return None
+    return math.prod(int(d.strip().lstrip("<=")) for d in arrays[0][1].split(",") if d)
+
+
+def _concatenated_scalars(ins: _Instruction, body: Mapping[str, _Instruction]) -> bool:
+    """Whether an all-reduce's one operand is k one-element values joined into k elements: XLA:GPU's
+    combiner concatenates scalar all-reduces (loss and norm partial sums) into one vector."""
+    if len(ins.operands) != 1:
+        return False
+    source = body.get(ins.operands[0].rpartition(" ")[2].lstrip("%"))
+    if source is None or not source.operands or _elements(source.shape) != len(source.operands):
+        return False
+    parts = [body.get(op.rpartition(" ")[2].lstrip("%")) for op in source.operands]
+    return all(part is not None and _elements(part.shape) == 1 for part in parts)
 
 
 def parse_collectives(hlo_text: str, num_devices: int) -> list[Collective]:

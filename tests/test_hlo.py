@@ -303,6 +303,28 @@ ENTRY %main (a: f32[2], b: bf16[4,4]) -> (f32[2], bf16[4,4]) {
     assert ar.replica_groups == ((0, 1), (2, 3))
 
 
+def test_scalars_concatenated_into_one_all_reduce_are_scalar_reductions():
+    # As XLA:GPU combines the loss and norm partial sums (seen compiling LLaMA-30B for 1,024 A100s).
+    text = (
+        ADD
+        + """
+ENTRY %main (a: f32[], b: f32[], c: f32[3]) -> (f32[2], f32[3]) {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  %c = f32[3]{0} parameter(2)
+  %a1 = f32[1]{0} bitcast(%a)
+  %b1 = f32[1]{0} bitcast(%b)
+  %joined = f32[2]{0} concatenate(%a1, %b1), dimensions={0}
+  %scalars = f32[2]{0} all-reduce(%joined), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+  %tensor = f32[3]{0} all-reduce(%c), channel_id=2, replica_groups={{0,1}}, to_apply=%add
+  ROOT %out = (f32[2]{0}, f32[3]{0}) tuple(%scalars, %tensor)
+}
+"""
+    )
+    found = _by_name(parse_collectives(text, 2))
+    assert found["scalars"].scalar and not found["tensor"].scalar
+
+
 def test_calls_conditionals_and_fusions_are_followed():
     text = (
         ADD
