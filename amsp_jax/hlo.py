@@ -365,13 +365,18 @@ def _execution_counts(
     return counts, unknown
 
 
+def _dims_elements(dims: str) -> int:
+    """Elements of an array's printed dims (`4,128`; bounded dynamic dims `<=n` count n)."""
+    return math.prod(int(d.strip().lstrip("<=")) for d in dims.split(",") if d)
+
+
 def _array_bytes(shape: str) -> int:
     """Total bytes of every array in a shape (tuples summed); bounded dynamic dims `<=n` count n."""
     total = 0
     for dtype, dims in _ARRAY.findall(shape):
         if dtype not in _DTYPE_BYTES:
             raise ValueError(f"unknown HLO element type {dtype!r} in shape {shape!r}")
-        total += _DTYPE_BYTES[dtype] * math.prod(int(d.strip().lstrip("<=")) for d in dims.split(",") if d)
+        total += _DTYPE_BYTES[dtype] * _dims_elements(dims)
     return total
 
 
@@ -511,7 +516,7 @@ def _elements(shape: str) -> int | None:
     arrays = _ARRAY.findall(shape)
     if len(arrays) != 1 or shape.startswith("("):
         return None
-    return math.prod(int(d.strip().lstrip("<=")) for d in arrays[0][1].split(",") if d)
+    return _dims_elements(arrays[0][1])
 
 
 def _concatenated_scalars(ins: _Instruction, body: Mapping[str, _Instruction]) -> bool:
@@ -519,10 +524,10 @@ def _concatenated_scalars(ins: _Instruction, body: Mapping[str, _Instruction]) -
     combiner concatenates scalar all-reduces (loss and norm partial sums) into one vector."""
     if len(ins.operands) != 1:
         return False
-    source = body.get(ins.operands[0].rpartition(" ")[2].lstrip("%"))
+    source = body.get(_operand_name(ins.operands[0]))
     if source is None or not source.operands or _elements(source.shape) != len(source.operands):
         return False
-    parts = [body.get(op.rpartition(" ")[2].lstrip("%")) for op in source.operands]
+    parts = [body.get(_operand_name(op)) for op in source.operands]
     return all(part is not None and _elements(part.shape) == 1 for part in parts)
 
 
