@@ -141,10 +141,13 @@ class Workload:
         materialising one runs four, so 2·L·H·Q·T more per token over the whole square; the kernel
         runs `attention_square_fraction` of it.
         """
+        return 0 if self.dims.materialises_scores else self.attention_run_flops_per_token(2)
+
+    def attention_run_flops_per_token(self, per_square: int) -> int:
+        """FLOPs per token the kernel runs of attention matmuls worth `per_square`·L·H·Q·T over the whole
+        (seq, seq) square (12 for a forward and backward): `attention_square_fraction` of them."""
         d = self.dims
-        if d.materialises_scores:
-            return 0
-        square = 2 * d.n_layers * d.n_heads * d.head_dim * self.seq_len
+        square = per_square * d.n_layers * d.n_heads * d.head_dim * self.seq_len
         return round(square * self.attention_square_fraction())
 
     def with_(self, **changes: object) -> Workload:

@@ -180,9 +180,7 @@ class Compute:
 
 def recompute_flops_per_token(workload: Workload) -> int:
     """FLOPs per token that remat, or a flash-style attention's backward, runs a second time."""
-    d = workload.dims
-    square = 4 * d.n_layers * d.n_heads * d.head_dim * workload.seq_len
-    attention_forward = round(square * workload.attention_square_fraction())
+    attention_forward = workload.attention_run_flops_per_token(4)
     layer_params = sum(leaf.size for leaf in workload.leaves if leaf.stacked)
     remat = {"none": 0, "dots": attention_forward, "full": 2 * layer_params + attention_forward}
     return remat[workload.remat] + workload.attention_recompute_flops_per_token()
@@ -190,12 +188,10 @@ def recompute_flops_per_token(workload: Workload) -> int:
 
 def compute_times(workload: Workload, cluster: ClusterConfig) -> Compute:
     """Seconds of the layers' and the other leaves' forward and backward, remat included."""
-    d = workload.dims
     tokens = workload.tokens_per_device()
     layer_params = sum(leaf.size for leaf in workload.leaves if leaf.stacked)
     other_params = workload.num_params - layer_params
-    square = 12 * d.n_layers * d.n_heads * d.head_dim * workload.seq_len
-    attention = round(square * workload.attention_square_fraction())
+    attention = workload.attention_run_flops_per_token(12)
     layer_forward = 2 * layer_params + attention // 3
     # Every matmul of a micro-batch runs over its tokens at once (the attention's over its queries).
     seconds = tokens / cluster.matmul_rate(workload.micro_batch_size * workload.seq_len)
