@@ -18,10 +18,11 @@ smallest one costs (latency-bound), above the largest the bandwidth stays flat.
     collective_min_itemsize: 1    # optional; 4 where 16-bit collectives run in fp32 (XLA:CPU)
     device: {name, memory_bytes, usable_memory_fraction, peak_flops, compute_efficiency,
              hbm_bandwidth, matmul_rates}
-                                  # matmul_rates (optional, written by `amsp-jax profile`): rows
-                                  # [tokens, GFLOP/s]: the rate of a layer's matmuls over that many
-                                  # tokens at once; without them every matmul runs at
-                                  # peak_flops × compute_efficiency
+                                  # matmul_rates (optional, written by `amsp-jax profile`): per
+                                  # compute dtype (bfloat16, float32), rows [tokens, GFLOP/s]: the
+                                  # rate of a layer's matmuls over that many tokens at once (a bare
+                                  # list of rows: the same for every dtype); a dtype without rows
+                                  # runs at peak_flops × compute_efficiency
     overlap: {enabled, reduction_fraction, interference}   # enabled: false where collectives block compute
     latency: {base_us, intra_hop_us, inter_hop_us}   # optional: NCCL-style ring latency per op
     memory_passes: {bandwidth_gbps, step_overhead_ms, params, grads, opt_state, model, activations}
@@ -53,6 +54,7 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce")
 PASS_BLOCKS = ("params", "grads", "opt_state", "model", "activations")
 PASS_KEYS = ("bandwidth_gbps", "step_overhead_ms", *PASS_BLOCKS)
 LEVELS = ("intra", "inter")
+MATMUL_DTYPES = ("bfloat16", "float32")  # the compute dtypes of the `mixed` and `fp32` precisions
 GB = 1e9
 _UNITS = {
     "": 1,
@@ -151,10 +153,11 @@ class ClusterConfig:
     memory_passes: Mapping[str, float] | None = None  # bytes touched per byte of each block (timing)
     pass_bandwidth: float = 0.0  # bytes/s of those passes while the step runs
     step_overhead: float = 0.0  # seconds per step that no term of the time model covers
-    # FLOP/s of a layer's matmuls by the tokens they run over at once (interpolated as the bandwidth
-    # tables are: a few dozen tokens per device run far below the large-matmul rate on a CPU); None:
-    # every matmul at `sustained_flops`.
-    matmul_rates: BandwidthTable | None = None
+    # FLOP/s of a layer's matmuls by compute dtype and the tokens they run over at once (interpolated
+    # as the bandwidth tables are: a few dozen tokens per device run far below the large-matmul rate
+    # on a CPU, and XLA:CPU runs bf16 matmuls slower than fp32 ones); a dtype without a table: every
+    # matmul at `sustained_flops`.
+    matmul_rates: Mapping[str, BandwidthTable] | None = None
 
     @property
     def memory_limit(self) -> float:
@@ -166,11 +169,13 @@ class ClusterConfig:
         """FLOP/s one device sustains on the model's compute."""
         return self.peak_flops * self.compute_efficiency
 
-    def matmul_rate(self, tokens: float) -> float:
-        """FLOP/s of one device's matmuls over `tokens` rows at once (`sustained_flops` without a table)."""
-        if self.matmul_rates is None:
+    def matmul_rate(self, tokens: float, dtype: str) -> float:
+        """FLOP/s of one device's `dtype` matmuls over `tokens` rows at once (`sustained_flops` without a
+        table for that dtype)."""
+        table = (self.matmul_rates or {}).get(dtype)
+        if table is None:
             return self.sustained_flops
-        return self.matmul_rates.at(tokens) * self.compute_efficiency
+        return table.at(tokens) * self.compute_efficiency
 
     def cluster(self, nodes: int | None = None) -> Cluster:
         """The partition-space cluster of `nodes` (default: the config's) nodes."""
@@ -304,12 +309,20 @@ def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> Clust
         memory_passes=passes and {block: passes[block] for block in PASS_BLOCKS},
         pass_bandwidth=passes["bandwidth_gbps"] * GB if passes else 0.0,
         step_overhead=passes["step_overhead_ms"] * 1e-3 if passes else 0.0,
-        matmul_rates=(
-            None
-            if device.get("matmul_rates") is None
-            else BandwidthTable.from_rows(device["matmul_rates"], f"{where}: device.matmul_rates")
-        ),
+        matmul_rates=_matmul_rates(device.get("matmul_rates"), f"{where}: device.matmul_rates"),
     )
+
+
+def _matmul_rates(section: Any, where: str) -> dict[str, BandwidthTable] | None:
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        table = BandwidthTable.from_rows(section, where)
+        return dict.fromkeys(MATMUL_DTYPES, table)
+    unknown = sorted(set(section) - set(MATMUL_DTYPES))
+    if unknown:
+        raise ClusterConfigError(f"{where}: unknown dtype(s) {unknown}; use {', '.join(MATMUL_DTYPES)}")
+    return {dtype: BandwidthTable.from_rows(rows, f"{where}.{dtype}") for dtype, rows in section.items()}
 
 
 def _memory_passes(section: Any, where: str) -> dict[str, float] | None:

@@ -194,7 +194,8 @@ def compute_times(workload: Workload, cluster: ClusterConfig) -> Compute:
     attention = workload.attention_run_flops_per_token(12)
     layer_forward = 2 * layer_params + attention // 3
     # Every matmul of a micro-batch runs over its tokens at once (the attention's over its queries).
-    seconds = tokens / cluster.matmul_rate(workload.micro_batch_size * workload.seq_len)
+    rate = cluster.matmul_rate(workload.micro_batch_size * workload.seq_len, workload.precision.param_dtype)
+    seconds = tokens / rate
     return Compute(
         forward_layers=layer_forward * seconds,
         backward_layers=(2 * layer_forward + recompute_flops_per_token(workload)) * seconds,

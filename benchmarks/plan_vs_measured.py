@@ -1,7 +1,10 @@
 """Predicted against measured step time: every preset, random valid strategies and the planner's choice.
 
-For each model size every configuration is compiled, its step time predicted by the time model
-(`amsp_jax.timing.estimate` on the cluster config, default `cpu-sim`) and measured: rounds of
+The run first profiles this machine (`amsp-jax profile`, written beside the results), so the time
+model (`amsp_jax.timing.estimate`) prices every plan with what the machine measures now: the same
+development VM measured 57 GFLOP/s of fp32 matmuls one day and 31 the next, and a config profiled
+on another day predicts that day. `--no-profile --cluster-config NAME` prices with a stored config
+instead. For each model size every configuration is compiled, its step time predicted and measured: rounds of
 (fresh state, one warm-up step, timed steps for at least `--min-seconds`) over all
 configurations, each round starting one place later, so a slow spell of a shared machine hits
 them alike. Reported per model: predicted and measured medians, their ratio, Spearman's rank
@@ -31,7 +34,7 @@ from pathlib import Path
 import jax
 
 import amsp_jax as aj
-from amsp_jax import audit, cost, partitioner, timing
+from amsp_jax import audit, cli, cost, partitioner, timing
 from amsp_jax.cluster_config import load
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from benchmarks.step_time import make_batch, optimizer
@@ -84,7 +87,7 @@ def run_model(name: str, args: argparse.Namespace, say) -> dict:
     """Compile, predict and time every configuration of one model."""
     config, seq_len = MODELS[name]
     cluster = aj.Cluster(2, 4, "cpu-sim")
-    hardware = load(args.cluster_config)
+    hardware = load(args.hardware)
     model = Llama(config)
     host_batch = make_batch(config, cluster.num_devices, seq_len)
     key = jax.random.key(0)
@@ -134,7 +137,21 @@ def run_model(name: str, args: argparse.Namespace, say) -> dict:
     }
 
 
-def write(results: list[dict], out: Path, command: str, seconds: float) -> None:
+def resolution(rows: list[dict]) -> list[str]:
+    """Where the planner's choice is also another row's plan, the two are one program timed twice:
+    how far apart they measured is what this run can resolve."""
+    chosen = next(r for r in rows if r["name"] == "chosen")
+    twins = [r for r in rows if r is not chosen and r["plan"] == chosen["plan"]]
+    apart = lambda a, b: max(a, b) / min(a, b)  # noqa: E731
+    return [
+        f"The choice is the same plan as `{twin['name']}` (one program, timed as two rows): they measured "
+        f"{apart(chosen['measured_s'], twin['measured_s']):.2f}x apart, the resolution of this run's "
+        "medians.\n"
+        for twin in twins
+    ]
+
+
+def write(results: list[dict], out: Path, command: str, hardware: str, seconds: float) -> None:
     """Markdown, JSON and the scatter plot."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan_vs_measured.json").write_text(json.dumps(results, indent=2))
@@ -143,6 +160,7 @@ def write(results: list[dict], out: Path, command: str, seconds: float) -> None:
         "",
         f"- Command: `{command}`, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {seconds:.0f} s.",
         f"- Load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs.",
+        f"- Predictions priced with the cluster config {hardware}.",
         "- Every configuration: micro-batch 1, one micro-batch per step, mixed precision, remat full; the "
         "implementation (split or flat collectives, prefetch loop) the planner chose, except the last row.",
         "",
@@ -154,6 +172,7 @@ def write(results: list[dict], out: Path, command: str, seconds: float) -> None:
             f"Spearman {model['spearman']:.2f}; predicted/measured within [0.75, 1.33] for "
             f"{model['within']:.0%}; the planner's choice ran {model['chosen_vs_fastest']:.2f}x the fastest.",
             "",
+            *resolution(model["rows"]),
             "| configuration | plan | predicted (s) | measured (s) | predicted / measured |",
             "|---|---|---:|---:|---:|",
         ]
@@ -183,7 +202,11 @@ def main() -> None:
     """Entry point."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="small,25m")
-    parser.add_argument("--cluster-config", default="cpu-sim")
+    parser.add_argument(
+        "--profile", action=argparse.BooleanOptionalAction, default=True,
+        help="profile this machine first and price every plan with that config",
+    )  # fmt: skip
+    parser.add_argument("--cluster-config", default="cpu-sim", help="the config used with --no-profile")
     parser.add_argument("--random", type=int, default=6, help="random valid strategies per model")
     # Many short rounds: each configuration is timed across the machine's slow and fast phases (with
     # 3 rounds of 1 s the 0.8M model's measured order repeated between runs at Spearman 0.86; with
@@ -197,11 +220,22 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results"))
     args = parser.parse_args()
     start = time.perf_counter()
+    args.hardware = args.cluster_config
+    if args.profile:
+        args.hardware = str(Path(args.out) / "plan_vs_measured.cluster.yaml")
+        profile = ["profile", "--out", args.hardware, "--repeats", "5", "--sizes", "4KiB,64KiB,1MiB,16MiB"]
+        if cli.main([*profile, "--name", "cpu-sim-profiled"]) != 0:
+            raise SystemExit("plan_vs_measured: the profile failed")
     results = [run_model(name, args, lambda m: print(m, flush=True)) for name in args.models.split(",")]
+    hidden = {"out", "hardware", "profile"} | ({"cluster_config"} if args.profile else set())
+    shown = {k: v for k, v in vars(args).items() if k not in hidden}
     command = ".venv/bin/python -m benchmarks.plan_vs_measured " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"
-    )
-    write(results, Path(args.out), command, time.perf_counter() - start)
+        f"--{k.replace('_', '-')} {v}" for k, v in shown.items()
+    ) + ("" if args.profile else " --no-profile")
+    hardware = args.hardware
+    if args.profile:
+        hardware = "`plan_vs_measured.cluster.yaml`, profiled at the start of this run"
+    write(results, Path(args.out), command, hardware, time.perf_counter() - start)
     for model in results:
         print(f"{model['model']}: spearman {model['spearman']:.2f}, within {model['within']:.0%}, "
               f"chosen {model['chosen_vs_fastest']:.2f}x fastest")  # fmt: skip

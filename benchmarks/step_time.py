@@ -228,10 +228,16 @@ def build_entries(
         )
 
     the_choice, source = chosen_plan(config, cluster, seq_len, global_batch, chosen)
+    # The presets issue their collectives as the planner does on this cluster (split or flat, the
+    # prefetch loop or the scan); one more zero3 row keeps the library's defaults, which a GPU runs.
     amsp = [
-        (name, aj.Plan(cluster, aj.resolve(name, cluster), micro_batches, precision="mixed", remat="full"))
+        (name, aj.Plan(cluster, aj.resolve(name, cluster), micro_batches, precision="mixed", remat="full",
+                       hierarchical=the_choice.hierarchical, prefetch=the_choice.prefetch))
         for name in PRESETS
-    ] + [("chosen", the_choice)]
+    ] + [("chosen", the_choice)]  # fmt: skip
+    defaults = aj.Plan(cluster, aj.resolve("zero3", cluster), micro_batches, precision="mixed", remat="full")
+    if defaults.implementation != the_choice.implementation:
+        amsp.append(("zero3-defaults", defaults))
     for name, plan in amsp:
         start = time.perf_counter()
         strategy = str(plan.strategy) + ("" if plan.hierarchical else ", flat") + (

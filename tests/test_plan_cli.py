@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from amsp_jax.cli import main
-from amsp_jax.cluster_config import KINDS, LEVELS, load
+from amsp_jax.cluster_config import KINDS, LEVELS, MATMUL_DTYPES, load
 from amsp_jax.commands import probe
 
 AMSP = [
@@ -85,9 +85,10 @@ def test_profile_writes_a_cluster_config_the_planner_reads(tmp_path, capsys):
         for level in LEVELS:
             assert config.bandwidth[(kind, level)].sizes == (4096.0, 16384.0)
     assert config.peak_flops > 0 and config.collective_min_itemsize == 4
-    # The matmul sweep over tokens: slower over 2 tokens than over 2048.
-    assert config.matmul_rates.sizes == (2, 8, 32, 128, 512, 2048)
-    assert config.matmul_rate(2) < config.matmul_rate(2048)
+    # The matmul sweep over tokens, per compute dtype: slower over 2 tokens than over 2048.
+    for dtype in MATMUL_DTYPES:
+        assert config.matmul_rates[dtype].sizes == (2, 8, 32, 128, 512, 2048)
+        assert config.matmul_rate(2, dtype) < config.matmul_rate(2048, dtype)
     assert config.memory_passes is None and not config.overlap_enabled
     assert "wrote" in capsys.readouterr().out
 

@@ -172,19 +172,32 @@ def test_memory_passes_predict_the_compiled_traffic_of_a_model_and_plans_the_pro
     assert predicted == pytest.approx(hlo.memory_traffic(compiled.as_text()), rel=0.3)
 
 
-def test_matmuls_run_at_the_rate_the_cluster_gives_their_tokens():
+def test_matmuls_run_at_the_rate_the_cluster_gives_their_tokens_and_dtype():
     config = load("configs/clusters/cpu-sim.yaml")
     table = BandwidthTable((16.0, 64.0), (1e9, 4e9))  # FLOP/s of matmuls over 16 and 64 tokens
+    rates = dataclasses.replace(config, matmul_rates={"bfloat16": table})
     w = llama_workload(dataclasses.replace(MODEL, attention="xla"), 64, 1, 2, remat="none")
-    fast, slow = (
-        timing.compute_times(x, dataclasses.replace(config, matmul_rates=table))
-        for x in (w, w.with_(seq_len=16, micro_batches=8))
-    )
+    fast, slow = (timing.compute_times(x, rates) for x in (w, w.with_(seq_len=16, micro_batches=8)))
     # The same FLOPs per token and tokens per step; four times slower over 16 tokens at once.
     flops = (w.flops_per_token() * w.tokens_per_device())
     assert fast.total == pytest.approx(flops / 4e9)
     slow_flops = w.with_(seq_len=16).flops_per_token() * 16 * 8
     assert slow.total == pytest.approx(slow_flops / 1e9)
-    # Without a table every matmul runs at the device's one rate.
+    # fp32 compute has no table here: every matmul at the device's one rate, as without any table.
+    fp32 = llama_workload(dataclasses.replace(MODEL, attention="xla"), 64, 1, 2, "fp32", remat="none")
+    assert timing.compute_times(fp32, rates).total == pytest.approx(flops / config.sustained_flops)
     flat = timing.compute_times(w, dataclasses.replace(config, matmul_rates=None))
     assert flat.total == pytest.approx(flops / config.sustained_flops)
+
+
+def test_matmul_rates_read_per_dtype_or_as_one_table_for_every_dtype():
+    raw = yaml.safe_load(Path("configs/clusters/cpu-sim.yaml").read_text())
+    raw["device"]["matmul_rates"] = {"bfloat16": [[8, 2.0], [64, 8.0]], "float32": [[8, 4.0]]}
+    config = from_dict(raw, "test")
+    assert config.matmul_rate(8, "bfloat16") == 2e9 and config.matmul_rate(64, "bfloat16") == 8e9
+    assert config.matmul_rate(8, "float32") == 4e9
+    raw["device"]["matmul_rates"] = [[8, 2.0], [64, 8.0]]
+    assert from_dict(raw, "test").matmul_rate(64, "float32") == 8e9
+    raw["device"]["matmul_rates"] = {"fp16": [[8, 2.0]]}
+    with pytest.raises(ClusterConfigError, match=r"unknown dtype.*bfloat16, float32"):
+        from_dict(raw, "test")

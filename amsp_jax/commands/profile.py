@@ -15,8 +15,9 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from amsp_jax.cluster_config import KINDS, LEVELS, format_size, load, parse_size
+from amsp_jax.cluster_config import KINDS, LEVELS, MATMUL_DTYPES, format_size, load, parse_size
 
 DEFAULT_SIZES = "64KiB,1MiB,16MiB"
 
@@ -99,13 +100,18 @@ def measure_collective(mesh: object, kind: str, axis: str, size: float, repeats:
     return sent / _median_seconds(lambda: fn(x).block_until_ready(), repeats)
 
 
-def measure_compute(devices: list, repeats: int) -> tuple[float, float, list[tuple[int, float]]]:
-    """(large-matmul FLOP/s, memory bandwidth bytes/s, [(tokens, FLOP/s of a layer-like matmul over
-    that many tokens)]) per device with every local device busy at once, as in a step: simulated CPU
-    devices share the host's cores and memory. bf16 on accelerators, fp32 on the CPU.
+def measure_compute(
+    devices: list, repeats: int
+) -> tuple[float, float, dict[str, list[tuple[int, float]]]]:
+    """(large-matmul FLOP/s, memory bandwidth bytes/s, {dtype: [(tokens, FLOP/s of a layer's matmuls
+    over that many tokens)]}) per device with every local device busy at once, as in a step: simulated
+    CPU devices share the host's cores and memory. The large matmul in bf16 on accelerators, fp32 on
+    the CPU.
 
-    The sweep multiplies (tokens × width) by (width × width): a layer's projection over the tokens one
-    device runs at once, which on a CPU decides more of the rate than the width does.
+    The sweep runs a projection's three matmuls, (tokens × width)·(width × width) forward and both
+    products of its backward (the weight gradient contracts over the tokens), in each compute dtype:
+    over the few dozen tokens one device runs at once, the tokens and the dtype decide more of a
+    CPU's rate than the width does (XLA:CPU runs bf16 matmuls well below fp32 ones).
     """
     import jax
     import jax.numpy as jnp
@@ -116,17 +122,34 @@ def measure_compute(devices: list, repeats: int) -> tuple[float, float, list[tup
     local = [d for d in devices if d.process_index == jax.process_index()]
     mesh = Mesh(np.array(local, dtype=object), ("local",))
     each = P("local")
-    dtype = jnp.float32 if local[0].platform == "cpu" else jnp.bfloat16
 
-    def rate(rows: int, width: int) -> float:
+    def operands(rows: int, width: int, dtype: Any) -> tuple[jax.Array, jax.Array]:
         a = jax.device_put(jnp.ones((len(local) * rows, width), dtype), NamedSharding(mesh, each))
         b = jax.device_put(jnp.ones((len(local) * width, width), dtype), NamedSharding(mesh, each))
+        return a, b
+
+    def forward_rate(rows: int, width: int, dtype: Any) -> float:
+        a, b = operands(rows, width, dtype)
         matmul = jax.jit(jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(each, each), out_specs=each))
         return 2 * rows * width**2 / _median_seconds(lambda: matmul(a, b).block_until_ready(), repeats)
 
-    n = 1024 if local[0].platform == "cpu" else 8192
-    flops = rate(n, n)
-    sweep = [(tokens, rate(tokens, n // 2)) for tokens in (2, 8, 32, 128, 512, 2048)]
+    def layer_rate(rows: int, width: int, dtype: Any) -> float:
+        a, b = operands(rows, width, dtype)
+
+        def forward_and_backward(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+            y, backward = jax.vjp(jnp.matmul, a, b)
+            return backward(y)
+
+        step = jax.jit(
+            jax.shard_map(forward_and_backward, mesh=mesh, in_specs=(each, each), out_specs=(each, each))
+        )
+        return 6 * rows * width**2 / _median_seconds(lambda: jax.block_until_ready(step(a, b)), repeats)
+
+    cpu = local[0].platform == "cpu"
+    n = 1024 if cpu else 8192
+    flops = forward_rate(n, n, jnp.float32 if cpu else jnp.bfloat16)
+    tokens = (2, 8, 32, 128, 512, 2048)
+    sweep = {dtype: [(t, layer_rate(t, n // 2, jnp.dtype(dtype))) for t in tokens] for dtype in MATMUL_DTYPES}
     v = jax.device_put(jnp.ones((len(local) * 2**24,), jnp.float32), NamedSharding(mesh, each))
     scale = jax.jit(jax.shard_map(lambda v: v * 2.0, mesh=mesh, in_specs=each, out_specs=each))
     bandwidth = 2 * 4 * 2**24 / _median_seconds(lambda: scale(v).block_until_ready(), repeats)
@@ -195,9 +218,10 @@ def run(args: argparse.Namespace) -> int:
         f"  peak_flops: {flops:.4e}     # measured {matmul_dtype} matmul, every device at once",
         "  compute_efficiency: 1.0     # the measured matmul rate already is what the device sustains",
         f"  hbm_bandwidth: {hbm:.4e}     # measured: an elementwise op over 64 MiB per device, all at once",
-        "  matmul_rates:     # measured: [tokens, GFLOP/s] of (tokens x W) @ (W x W), W = half the",
-        "                    # square above, every device at once",
-        *(f"    - [{tokens}, {rate / 1e9:.4g}]" for tokens, rate in matmuls),
+        "  matmul_rates:     # measured: [tokens, GFLOP/s] of (tokens x W) @ (W x W) and its backward,",
+        "                    # W = half the square above, every device at once",
+        *(line for dtype, rows in matmuls.items()
+          for line in (f"    {dtype}:", *(f"      - [{tokens}, {rate / 1e9:.4g}]" for tokens, rate in rows))),
         "overlap:",
         *(["  enabled: false     # XLA:CPU runs collectives as blocking rendezvous on the compute threads"]
           if platform == "cpu" else []),
