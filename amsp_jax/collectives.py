@@ -81,6 +81,30 @@ def reduce_gradient(
     return execute(padded, leaf.grad_reduce).astype(grad_dtype)
 
 
+def make_sink(
+    leaf: LeafSchedule, reduce_dtype: jnp.dtype, grad_dtype: jnp.dtype
+) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """`attach(full_leaf, g_sink) -> full_leaf` whose gradient lands in `g_sink`, reduce-scattered over G.
+
+    For a leaf gathered once, before the micro-batch loop: each micro-batch attaches its own sink to the
+    same gathered leaf, so the gradient is reduced per micro-batch while the gather runs once.
+    """
+
+    @jax.custom_vjp
+    def attach(full: jax.Array, g_sink: jax.Array) -> jax.Array:
+        del g_sink
+        return full
+
+    def forward(full: jax.Array, g_sink: jax.Array) -> tuple[jax.Array, None]:
+        return attach(full, g_sink), None
+
+    def backward(_: None, cotangent: jax.Array) -> tuple[None, jax.Array]:
+        return None, reduce_gradient(cotangent, leaf, reduce_dtype, grad_dtype)
+
+    attach.defvjp(forward, backward)
+    return attach
+
+
 def make_gather(
     layout: AxisPlan,
     leaf: LeafSchedule,

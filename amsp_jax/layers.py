@@ -184,7 +184,12 @@ class LayerStack(nn.Module):
             return block.apply({"params": ops.gather_with_sink(layer_params, layer_sink)}, carry, *args)
 
         if context.remat:
-            layer = jax.checkpoint(layer, policy=context.remat_policy)
+            # No CSE barrier: the scan's loops already keep the backward's re-gather and recomputation
+            # apart from the forward's (JAX's documented case for prevent_cse=False), and the barrier
+            # kept XLA's collective pipeliner from moving the re-gather into the previous iteration,
+            # so it ran synchronous (LLaMA-7B zero3 at 1,024 A100s: 32 % of per-layer bytes with
+            # compute between start and done with it, 92 % without).
+            layer = jax.checkpoint(layer, policy=context.remat_policy, prevent_cse=False)
 
         def body(carry: jax.Array, xs: tuple[Any, Any]) -> tuple[jax.Array, None]:
             return layer(carry, *xs), None

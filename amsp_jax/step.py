@@ -503,17 +503,24 @@ class Trainer:
         looped = [b for b in pl.blocks if b not in pl.stacks]
         if looped and schedule.prefetches(len(looped)):
             prefetching.update(looped)
-        top_gathers = {p: gather_fn(leaf) for p, leaf in schedule.leaves.items() if not pl.per_layer(p)}
+        top_sinks = {
+            p: collectives.make_sink(leaf, reduce_dtype, grad_dtype)
+            for p, leaf in schedule.leaves.items()
+            if not pl.per_layer(p) and not leaf.frozen
+        }
+
+        def with_sink(path: Path, full: jax.Array, sink: jax.Array) -> jax.Array:
+            return top_sinks[path](full, sink) if path in top_sinks else full
 
         def micro_loss(
             sinks: dict[Path, jax.Array], blocks: dict[Path, jax.Array], micro_batch: Any, rng: Any,
             variables: Any,
         ) -> tuple[jax.Array, Any]:  # fmt: skip
-            # Leaves outside layers: gathered here (loop-invariant: XLA's CPU pipeline hoists them out
-            # of the micro-batch loop). A LayerStack's: shards (it gathers each layer). A wrapped
-            # block's: (shard, sink) pairs, which its interceptor gathers call by call.
+            # Leaves outside layers: already gathered (`_gather_other_leaves`), each micro-batch
+            # attaches its sink. A LayerStack's: shards (it gathers each layer). A wrapped block's:
+            # (shard, sink) pairs, which its interceptor gathers call by call.
             tree = {
-                p: top_gathers[p](b, sinks[p]) if p in top_gathers else (b, sinks[p]) if pl.block_of(p) else b
+                p: (b, sinks[p]) if pl.block_of(p) else b if pl.per_layer(p) else with_sink(p, b, sinks[p])
                 for p, b in blocks.items()
             }
             stack_sinks = {
@@ -539,6 +546,22 @@ class Trainer:
             return loss.astype(jnp.float32), (metrics, variables)
 
         return micro_loss
+
+    def _gather_other_leaves(self, blocks: dict[Path, jax.Array]) -> dict[Path, jax.Array]:
+        """`blocks` with every leaf outside the layers gathered whole, once, for all micro-batches.
+
+        Issued before the micro-batch loop rather than left to XLA: its GPU pipeline does not hoist
+        these loop-invariant gathers out of the loop (the CPU one does), so they would run M times.
+        """
+        pl, schedule = self.params_layout, self.schedule
+        assert pl is not None
+        dtype = jnp.dtype(self.plan.precision.param_dtype)
+
+        def gathered(path: Path, block: jax.Array) -> jax.Array:
+            full = collectives.gather_weights(self.layout, block, schedule.leaves[path], dtype)
+            return jax.lax.stop_gradient(full) if path in pl.frozen else full
+
+        return {p: b if pl.per_layer(p) else gathered(p, b) for p, b in blocks.items()}
 
     def _grad_dtype(self) -> jnp.dtype:
         """The dtype G is held in (`schedule.grad_dtype`)."""
@@ -602,6 +625,7 @@ class Trainer:
             blocks = _flatten(param_blocks)
             split = self._split_micro_batches(local_batch)
             sinks = self._sinks(blocks)
+            blocks = self._gather_other_leaves(blocks)
             rngs = self._rngs(step)
             # Each device updates the collections with its own micro-batches, in turn.
             variables = jax.tree.map(lambda x: collectives.mark_varying(x, all_axes), variables)
@@ -649,6 +673,7 @@ class Trainer:
         def body(param_blocks: Any, local_batch: Any, step: jax.Array, variables: Any) -> jax.Array:
             blocks = _flatten(param_blocks)
             sinks = self._sinks(blocks)
+            blocks = self._gather_other_leaves(blocks)
             losses = jax.lax.map(
                 lambda xs: micro_loss(sinks, blocks, *xs, variables)[0],
                 (self._split_micro_batches(local_batch), self._rngs(step)),

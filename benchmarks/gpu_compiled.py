@@ -47,13 +47,18 @@ def _abstract(batch: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.ShapeDtyp
 
 
 def amsp_row(config: LlamaConfig, devices: list[jax.Device], strategy: str, seq: int) -> dict[str, Any]:
-    """Compile amsp_jax's step for one plan and audit it; a `/scan` suffix runs the checkpointed layer
-    scan in place of the prefetch loop (`Plan(prefetch=False)`), as the peer does."""
+    """Compile amsp_jax's step for one plan and audit it. Suffixes choose the implementation: `/scan`
+    runs the checkpointed layer scan in place of the prefetch loop (`Plan(prefetch=False)`), as the
+    peer does; `/flat` issues collectives that span nodes as one flat collective (`hierarchical=False`)."""
     cluster = Cluster.detect(devices)
-    name, _, loop = strategy.partition("/")
+    name, *suffixes = strategy.split("/")
+    unknown = set(suffixes) - {"scan", "flat"}
+    if unknown:
+        raise SystemExit(f"unknown plan suffix {sorted(unknown)} in {strategy!r}; known: /scan, /flat")
     chosen = preset(name, cluster) if name in PRESETS else Strategy.parse(name)
-    prefetch = False if loop == "scan" else None
-    plan = Plan(cluster, chosen, 1, precision="mixed", remat="full", prefetch=prefetch)
+    prefetch = False if "scan" in suffixes else None
+    flat = "flat" in suffixes
+    plan = Plan(cluster, chosen, 1, precision="mixed", remat="full", prefetch=prefetch, hierarchical=not flat)
     model = Llama(config)
     trainer = Trainer(plan, model, optax.adamw(1e-4), make_loss_fn(model), devices=devices)
     trainer.setup(jax.random.key(0), jnp.zeros((1, seq), jnp.int32))

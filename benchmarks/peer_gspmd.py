@@ -18,7 +18,8 @@ so that the two can be compared on one mesh:
   constraints (batch-sharded activations leave XLA no choice but to gather the weights); without any
   hint XLA partitions the matmuls of a small micro-batch along the weights instead (all-reduces and
   all-to-alls of activations: tensor parallelism, not FSDP). The gradient's placement is left to XLA.
-- Remat: each layer of the model's `LayerStack` runs under `jax.checkpoint(nothing_saveable)`. Both
+- Remat: each layer of the model's `LayerStack` runs under `jax.checkpoint(nothing_saveable,
+  prevent_cse=False)`, MaxText's setting for scanned layers (`prevent_cse=not scan_layers`). Both
   the per-layer hint and the checkpoint go through the stack's `LayerContext` hook, which wraps the
   scan body exactly where amsp_jax's step puts its gather and checkpoint; no amsp collective is used.
 """
