@@ -109,8 +109,10 @@ EXACT = [
     ("h100-sxm", "zero1", 3),
     ("a100-sxm-80", "p=2x1,g=8x1,os=8x2", 1),
 ]
-# Every preset with micro-batches, and placements that are none of them, at M = 1 and 3.
+# Every preset at M = 1 and 3, and placements that are none of them.
 SWEEP = [("h100-sxm", name, 3) for name in sorted(PRESETS) if name not in ("zero1", "zero3")] + [
+    ("a100-sxm-80", name, 1) for name in sorted(PRESETS) if name != "zero3"
+] + [
     ("h100-sxm", "p=1x1,g=8x1,os=8x2", 3),
     ("h100-sxm", "p=8x1,g=8x2,os=8x2", 3),
     ("a100-sxm-80", "p=4x1,g=4x1,os=8x1", 1),
