@@ -1,8 +1,26 @@
-"""Test set-up: 8 simulated CPU devices, set before JAX is imported anywhere."""
+"""Test set-up: 8 simulated CPU devices, set before JAX is imported anywhere; one compilation cache.
 
+The cache: the xdist workers compile many of the same programs (a plan's step for its numerics test
+and its audit, the single-device references several modules share), and so do the processes tests
+start. JAX's persistent compilation cache in a directory made for this session lets the first
+compile serve the others (the step of a zero3 plan: 13.6 s compiled, 3.9 s loaded; its compiled
+text and memory analysis, which the audits read, are the same). The controller makes the directory
+before the workers start, they inherit it through the environment, and it is removed at exit. Set
+`JAX_COMPILATION_CACHE_DIR` yourself to keep a cache across runs.
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="amsp-jax-test-compilations-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")

@@ -44,17 +44,27 @@ def loss_of(model):
     return loss
 
 
-def reference(model, batches):
-    """Plain `jax.grad` and the same optax chain on one device."""
+@functools.cache
+def reference(style: str) -> tuple[list[float], dict]:
+    """Plain `jax.grad` and the same optax chain on one device, for `data()`; one per style (the
+    strategies share it)."""
+    model = model_zoo.model(style)
+    batches = data()
     loss_fn = loss_of(model)
-    params = model.init(jax.random.key(0), batches[0]["inputs"])["params"]
+    device = jax.devices()[0]
+    params = jax.device_put(model.init(jax.random.key(0), batches[0]["inputs"])["params"], device)
     opt = optimizer()
     opt_state = opt.init(params)
-    losses = []
-    for batch in batches:
+
+    @jax.jit
+    def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt_state = opt.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for batch in batches:
+        params, opt_state, loss = step(params, opt_state, jax.device_put(batch, device))
         losses.append(float(loss))
     return losses, jax.tree.map(np.asarray, params)
 
@@ -94,7 +104,7 @@ def train(model, batches, strategy, micro_batches, **trainer_args):
 def test_style_trains_like_the_single_device_reference(style, strategy, micro_batches):
     model = model_zoo.model(style)
     batches = data()
-    expected_losses, expected_params = reference(model, batches)
+    expected_losses, expected_params = reference(style)
     trainer, state, losses = train(model, batches, strategy, micro_batches)
     assert trainer.params_layout.blocks, "the blocks were not found"
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)

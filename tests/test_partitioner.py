@@ -151,13 +151,14 @@ def test_choose_takes_a_bare_cluster_and_a_batch_in_sequences_as_the_train_comma
     chosen.strategy.validate(Cluster(2, 4))
 
 
-def test_amsp_setting_is_solved_fast_and_fits():
+def test_amsp_setting_is_solved_and_fits():
+    # How long the solve takes is a measurement (`amsp-jax plan` prints it), not asserted here: a
+    # wall-clock bound fails on a loaded machine (7.6 s beside other compiles, 0.15 s alone).
     model = LlamaConfig.from_yaml("configs/models/llama-13b.yaml")
     chosen = pt.choose(
         model, "configs/clusters/a800-8x-ib800.yaml", 128, seq_len=4096, global_batch_tokens=4 * 2**20
     )
     assert chosen.feasible and chosen.micro_batch_size == 1
-    assert chosen.solve_time_s < 2.0  # measured ~0.15 s; the bound leaves room for slow CI machines
 
 
 @pytest.mark.parametrize("seed", [3, 11, 29, 41])
