@@ -800,7 +800,19 @@ class Trainer:
         key = str(jax.tree.structure(batch)), tuple(jax.tree.leaves(key))
         if key not in self._compiled:
             options = compiler_options(self.layout.platform, self._largest_gather_bytes())
-            self._compiled[key] = self.lower(state, batch).compile(options)
+            lowered = self.lower(state, batch)
+            if self.layout.mesh.devices.flat[0] in jax.devices():
+                self._compiled[key] = lowered.compile(options)
+            else:
+                # Compiled for a topology this process has no client for (a GPU target on a CPU
+                # machine): JAX's persistent cache would store it but cannot load it back ("PjRtCompiler
+                # must be constructed with a Client"), so no compile time is long enough to store it.
+                least = jax.config.jax_persistent_cache_min_compile_time_secs
+                jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+                try:
+                    self._compiled[key] = lowered.compile(options)
+                finally:
+                    jax.config.update("jax_persistent_cache_min_compile_time_secs", least)
         return self._compiled[key]
 
     def _largest_gather_bytes(self) -> int:
