@@ -114,20 +114,12 @@ def make_gather(
 ) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """`gather(p_block, g_sink) -> full leaf` whose gradient lands in `g_sink`, reduce-scattered over G.
 
-    The backward pass turns the full-leaf cotangent into this device's G block and hands it to the zero
-    "sink" of G's shape, so `jax.grad` with respect to the sinks yields gradients already on G.
+    The gathered leaf goes through `make_sink`, so `jax.grad` with respect to the sinks yields gradients
+    already on G (and none flows back into the gather itself).
     """
+    attach = make_sink(leaf, reduce_dtype, grad_dtype)
 
-    @jax.custom_vjp
     def gather(p_block: jax.Array, g_sink: jax.Array) -> jax.Array:
-        del g_sink
-        return gather_weights(layout, p_block, leaf, param_dtype)
+        return attach(gather_weights(layout, p_block, leaf, param_dtype), g_sink)
 
-    def forward(p_block: jax.Array, g_sink: jax.Array) -> tuple[jax.Array, None]:
-        return gather(p_block, g_sink), None
-
-    def backward(_: None, cotangent: jax.Array) -> tuple[None, jax.Array]:
-        return None, reduce_gradient(cotangent, leaf, reduce_dtype, grad_dtype)
-
-    gather.defvjp(forward, backward)
     return gather
