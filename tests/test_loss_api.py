@@ -254,3 +254,21 @@ def test_batch_stats_are_carried_and_averaged_like_the_per_device_reference(
     finally:
         checkpoints.close()
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored.collections), carried)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_llama_cross_entropy_equals_optax_in_value_and_gradient(dtype):
+    # `cross_entropy` picks the target's logit by comparison (its gradient fuses into the softmax's);
+    # optax's integer-label cross-entropy indexes it. Same loss, same gradient.
+    logits = jax.random.normal(jax.random.key(1), (3, 5, 37), jnp.float32).astype(dtype) * 4
+    targets = jax.random.randint(jax.random.key(2), (3, 5), 0, 37)
+
+    def by_optax(x):
+        return optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), targets).mean()
+
+    ours, ours_grad = jax.value_and_grad(lambda x: cross_entropy(x, targets))(logits)
+    theirs, theirs_grad = jax.value_and_grad(by_optax)(logits)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(ours_grad, np.float32), np.asarray(theirs_grad, np.float32), rtol=1e-6, atol=1e-7
+    )
