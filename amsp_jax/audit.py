@@ -26,6 +26,7 @@ from amsp_jax import cost, hlo, optimizer_cost
 from amsp_jax.layers import STACK_PARAM
 from amsp_jax.sharding import AxisPlan
 from amsp_jax.workload import trace
+from amsp_jax.xla import selects_in_place
 
 # Compiled memory on the CPU backend vs the cost model's estimate (activations and temporaries are an
 # estimate of XLA's buffer assignment); the tests assert this bound.
@@ -261,11 +262,10 @@ class Report:
         for t in self.predicted.transfers:
             lines.append(f"  {t.phase:<40}{t.kind:<16}{t.level:<7}{t.bytes:>14,}  x{t.executions}")
         mem = self.predicted.memory
+        peaks = ", ".join(f"{name} {mem.peak(name):,}" for name in cost.PEAKS)
         lines.append(
-            f"memory per device: predicted {mem.total:,} B (P {mem.params:,}, G {mem.grads:,}, "
-            f"OS {mem.master + mem.opt_state:,}, gathered {mem.gathered:,}, activations {mem.activations:,}, "
-            f"accumulation {mem.accumulation:,}; update {mem.update:,}: the larger peak, "
-            f"{'backward' if mem.backward_peak >= mem.update_peak else 'update'}); "
+            f"memory per device: predicted {mem.total:,} B at the {mem.peak_name} peak (P {mem.params:,}, "
+            f"G {mem.grads:,}, OS {mem.master + mem.opt_state:,}; peaks: {peaks}); "
             f"compiled {self.measured.memory_bytes:,} B "
             f"(ratio {self.memory_ratio:.2f}, bound ±{MEMORY_TOLERANCE:.0%})"
         )
@@ -326,6 +326,7 @@ def workload_of(trainer: Any, batch: Any, dims: cost.ModelDims) -> cost.Workload
         min_collective_itemsize=4 if on_cpu else 1,
         implementation=plan.implementation,
         optimizer=optimizer_cost.describe(trainer.optimizer, master),
+        update_in_place=selects_in_place(trainer.layout.platform),
     )
 
 

@@ -160,6 +160,12 @@ class ClusterConfig:
     matmul_rates: Mapping[str, BandwidthTable] | None = None
 
     @property
+    def platform(self) -> str:
+        """`cpu` for a profiled CPU host (`amsp-jax profile` names its device by JAX's device kind,
+        `cpu`), else `gpu`."""
+        return "cpu" if self.device_name.lower() == "cpu" else "gpu"
+
+    @property
     def memory_limit(self) -> float:
         """Bytes a plan may use per device."""
         return self.memory_bytes * self.usable_memory_fraction

@@ -51,6 +51,11 @@ class LeafShape:
         return math.prod(self.shape)
 
 
+def looped_blocks(leaves: Iterable[LeafShape]) -> bool:
+    """Whether a model's layers are blocks called one by one (gathered per layer, not stacked)."""
+    return any(leaf.per_layer and not leaf.stacked for leaf in leaves)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelDims:
     """The transformer dimensions that set FLOPs and activation memory, and the attention's kind.
@@ -94,6 +99,9 @@ class Workload:
     implementation: Implementation = dataclasses.field(default_factory=Implementation)
     # What the optimizer's update communicates (`amsp_jax.optimizer_cost`); default element-wise: nothing.
     optimizer: OptimizerUpdate = ELEMENT_WISE
+    # Whether XLA writes the new master and moments over the old (`amsp_jax.xla.selects_in_place`: GPU
+    # yes; XLA:CPU builds the new state beside the old).
+    update_in_place: bool = True
 
     def wire_bytes(self, itemsize: int) -> int:
         """Bytes per element on the wire for a tensor of `itemsize`."""
@@ -103,6 +111,11 @@ class Workload:
     def num_params(self) -> int:
         """Parameter count."""
         return sum(leaf.size for leaf in self.leaves)
+
+    @property
+    def looped_blocks(self) -> bool:
+        """Whether the layers are blocks called one by one, not a stack (`looped_blocks`)."""
+        return looped_blocks(self.leaves)
 
     def tokens_per_device(self) -> int:
         """Tokens one device processes per step."""
@@ -221,7 +234,7 @@ def schedule_leaf(axes: AxisPlan, workload: Workload, leaf: LeafShape) -> LeafSc
     return schedule.leaf_schedule(
         axes, leaf.path, leaf.shape, leaf.stacked, workload.micro_batches, workload.remat,
         workload.precision.param_bytes, workload.precision.reduce_bytes, workload.implementation,
-        leaf.per_layer, leaf.regathered, leaf.frozen,
+        leaf.per_layer, leaf.regathered, leaf.frozen, not workload.optimizer.communicates_on(leaf.path),
     )  # fmt: skip
 
 
@@ -281,25 +294,63 @@ def _block_elements(axes: AxisPlan, leaf: LeafLayout, component: str) -> int:
     return math.prod(leaf.block_shape(axes, component))
 
 
+PEAKS = ("loss", "backward", "update", "refresh")
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """What a step holds at one of its peaks beyond the model states, by the choice that sets it.
+
+    The ILP prices each field by one decision (`amsp_jax.partitioner`), so a field depends on P's
+    placement alone (`gathered`), G's (`grads`, negative where G blocks are not yet or no longer
+    live), OS's (`opt_state`), P's with OS's (`p_with_os`) or the batch and remat policy
+    (`activations`).
+    """
+
+    gathered: int = 0
+    grads: int = 0
+    opt_state: int = 0
+    p_with_os: int = 0
+    activations: int = 0
+
+    @property
+    def total(self) -> int:
+        """Bytes beyond the model states."""
+        return self.gathered + self.grads + self.opt_state + self.p_with_os + self.activations
+
+
 @dataclasses.dataclass(frozen=True)
 class Memory:
-    """Predicted bytes per device, by what holds them.
+    """Predicted bytes per device: the model states, and what the step holds at each of its peaks.
 
-    The step has two peaks that never overlap: the backward pass (model states, gathered weights,
-    activations and, with an accumulator, one micro-batch's gradient beside it) and the optimizer's
-    update (model states and the new master before it replaces the old). The compiled programs show
-    the activations dead by the update: counting both at once over-predicted OS-heavy plans by the
-    master's size (7B mics at 1,024 A100s: 21.6 GB predicted, 17.6 compiled).
+    A step peaks in one of four places that never overlap, read off the buffer assignments and live
+    ranges of steps compiled for GPUs (LLaMA 7B, 13B and 30B at 1,024 A100s; 4-layer LLaMAs of width
+    1024 and 2048 on 16 H100s):
+      - `loss`: the saved layer inputs, the gathered leaves outside the layers (the head), the logits
+        and their gradient;
+      - `backward`, inside the layer loop: the saved inputs, the logits' gradient (kept for the head's
+        weight gradient, which XLA computes after the layers), one layer's activations, its full-size
+        weight gradient and its gathered weights (three layers in the explicit-prefetch loop); the
+        gradients of the leaves outside the layers are not computed yet;
+      - `update`: the new master and moments, where XLA does not write them over the old
+        (`Workload.update_in_place`);
+      - `refresh`: a P that is stored and less sharded than OS is gathered leaf by leaf into a new
+        buffer laid out along the gathered dimension, then copied into place; G is dead by then.
+    With micro-batches, or in the explicit-prefetch loop, the leaves outside the layers stay gathered
+    through the backward; with micro-batches the accumulator sits beside one micro-batch's gradient
+    throughout. Where P is cast from the master and gathered along a
+    dimension other than a layer's major one, XLA keeps a transposed copy of the master block through
+    the forward and backward passes. Not counted: how XLA packs buffers into its one temporary
+    allocation (the compiled temporaries of the programs above are 1.0-1.3x the largest set of
+    buffers live at once).
     """
 
     params: int
     grads: int
     master: int
     opt_state: int
-    gathered: int
-    activations: int
-    accumulation: int  # one micro-batch's gradient beside the accumulator (0 without one)
-    update: int  # the optimizer's new master, before it replaces the old
+    activations: int  # activation bytes one micro-batch handles (the block the memory passes are priced by)
+    peaks: dict[str, Peak]
     params_from_master: int = 0  # P's bytes where it is not stored but cast from the master (in no peak)
 
     @property
@@ -312,24 +363,30 @@ class Memory:
         """The bytes of a device's P blocks, stored or cast from the master as the step goes."""
         return self.params + self.params_from_master
 
-    @property
-    def backward_peak(self) -> int:
-        """Model states and everything the forward and backward passes hold."""
-        return self.model_states + self.gathered + self.activations + self.accumulation
+    def peak(self, name: str) -> int:
+        """Bytes at one of `PEAKS`."""
+        return self.model_states + self.peaks[name].total
 
     @property
-    def update_peak(self) -> int:
-        """Model states and the optimizer update's temporaries."""
-        return self.model_states + self.update
+    def peak_name(self) -> str:
+        """Where the step peaks."""
+        return max(PEAKS, key=self.peak)
 
     @property
     def total(self) -> int:
-        """The peak of one step: the larger of the two."""
-        return max(self.backward_peak, self.update_peak)
+        """The peak of one step."""
+        return self.peak(self.peak_name)
 
-    def as_dict(self) -> dict[str, int]:
-        """Fields and total, for JSON."""
-        return {**dataclasses.asdict(self), "model_states": self.model_states, "total": self.total}
+    def as_dict(self) -> dict[str, object]:
+        """Fields, each peak and the total, for JSON."""
+        return {
+            **{f: getattr(self, f) for f in ("params", "grads", "master", "opt_state", "activations")},
+            "params_from_master": self.params_from_master,
+            "model_states": self.model_states,
+            "peaks": {name: self.peak(name) for name in PEAKS},
+            "peak": self.peak_name,
+            "total": self.total,
+        }
 
 
 def activation_bytes(workload: Workload) -> tuple[int, int]:
@@ -370,49 +427,78 @@ def activation_bytes(workload: Workload) -> tuple[int, int]:
 
 
 def memory(axes: AxisPlan, workload: Workload) -> Memory:
-    """Per-device memory of one step: model states, gathered weights, activations, temporaries."""
+    """Per-device memory of one step: the model states, and what each peak holds beside them (`Memory`)."""
     p_bytes = workload.precision.param_bytes
     gathered_bytes = workload.wire_bytes(p_bytes)
+    reduce_bytes = workload.wire_bytes(workload.precision.reduce_bytes)
     g_bytes = jnp.dtype(schedule.grad_dtype(workload.micro_batches, workload.precision.reduce_dtype)).itemsize
-    params = grads = master = trained_master = gathered_other = 0
-    layer_full = layer_sharded = 0
+    params = grads = master = trained_master = 0
+    other_extra = other_grads = layer_full = layer_extra = layer_grad = refresh = transposed = 0
+    stored = not schedule.params_from_master(axes.strategy)
+    p_axes = set(axes.axes("params"))
     for leaf in workload.leaves:
-        split = schedule_leaf(axes, workload, leaf).split
-        params += _block_elements(axes, split, "params") * p_bytes
-        if not leaf.frozen:
-            grads += _block_elements(axes, split, "grads") * g_bytes
-            trained_master += _block_elements(axes, split, "opt_state") * FP32
+        scheduled = schedule_leaf(axes, workload, leaf)
+        split = scheduled.split
+        p_block = _block_elements(axes, split, "params")
+        g_block = 0 if leaf.frozen else _block_elements(axes, split, "grads") * g_bytes
+        params += p_block * p_bytes
+        grads += g_block
         master += _block_elements(axes, split, "opt_state") * FP32
-        stored = math.prod(split.padded)
+        if not leaf.frozen:
+            trained_master += _block_elements(axes, split, "opt_state") * FP32
+        if scheduled.refresh and stored and not leaf.frozen:
+            refresh = max(refresh, p_block * p_bytes)
+        whole = math.prod(split.padded)
         if leaf.per_layer if leaf.per_layer is not None else leaf.stacked:
             # One layer's share: a stacked leaf holds every layer; blocks gathered call by call (a
             # loop of equal blocks) are counted as the same share of all of them.
             layers = leaf.shape[0] if leaf.stacked else workload.dims.n_layers
-            layer_full += stored // layers * gathered_bytes
-            layer_sharded += _block_elements(axes, split, "params") // layers * gathered_bytes
+            layer_full += whole // layers * gathered_bytes
+            layer_extra += (whole - p_block) // layers * gathered_bytes
+            layer_grad += 0 if leaf.frozen else whole // layers * reduce_bytes
+            if not stored and leaf.stacked and any(d != 1 for a, d in split.axis_dims if a in p_axes):
+                # Cast from the master and gathered along a dimension other than a layer's major one:
+                # XLA transposes the whole fp32 master block once, before the layer loops, and keeps it
+                # (LLaMA-7B mics at 1,024 A100s: the two ffn up-projections, 688 MiB each).
+                transposed += _block_elements(axes, split, "opt_state") * FP32
         else:
-            gathered_other += (stored - _block_elements(axes, split, "params")) * gathered_bytes
+            other_extra += (whole - p_block) * gathered_bytes
+            other_grads += g_block
     opt_state = trained_master // FP32 * workload.opt_state_bytes_per_param
     kept, full_layer = activation_bytes(workload)
-    layers = workload.dims.n_layers
-    # The backward pass holds a gathered layer and its full-size gradient before the reduce-scatter,
-    # plus the next layer when it is prefetched (remat full); without remat the forward's scan stacks
-    # every layer's gathered weights as residuals, a copy even where P is replicated.
-    prefetch = schedule.uses_prefetch(
-        workload.micro_batches, workload.remat, layers, workload.implementation.prefetch
-    )
-    held = 3 if prefetch else 2
-    gathered = gathered_other + held * (layer_full - layer_sharded)
+    d, layers = workload.dims, workload.dims.n_layers
+    logits = workload.micro_batch_size * workload.seq_len * d.vocab_size * p_bytes
+    saved = layers * kept
     if workload.remat == "none":
-        gathered += layers * layer_full
-    d = workload.dims
-    logits = workload.micro_batch_size * workload.seq_len * d.vocab_size * FP32
-    activations = layers * kept + full_layer + 2 * logits
-    accumulation = grads if schedule.accumulates(workload.micro_batches) else 0
-    stored, from_master = (0, params) if schedule.params_from_master(axes.strategy) else (params, 0)
-    return Memory(
-        stored, grads, master, opt_state, gathered, activations, accumulation, trained_master, from_master
-    )
+        # The forward's scan keeps every layer's gathered weights as residuals, a copy even where P
+        # is replicated.
+        saved += layers * layer_full
+    accumulating = schedule.accumulates(workload.micro_batches)
+    # With an accumulator one micro-batch's gradient (fp32, G's size) sits beside it; without one
+    # the micro-batch's gradient is G. The leaves outside the layers get theirs after the layers.
+    accumulation = grads if accumulating else 0
+    prefetch = schedule.uses_prefetch(
+        workload.micro_batches, workload.remat, layers, workload.implementation.prefetch,
+        stack=not workload.looped_blocks,
+    )  # fmt: skip
+    peaks = {
+        "loss": Peak(
+            gathered=other_extra, grads=accumulation, p_with_os=transposed, activations=saved + 2 * logits
+        ),
+        "backward": Peak(
+            gathered=(3 if prefetch else 1) * layer_extra + (other_extra if accumulating or prefetch else 0),
+            grads=accumulation - other_grads,
+            p_with_os=transposed,
+            activations=saved + logits + full_layer + layer_grad,
+        ),
+        "update": Peak(opt_state=0 if workload.update_in_place else trained_master),
+        "refresh": Peak(grads=-grads, p_with_os=refresh),
+    }
+    # The block the memory passes are priced by (`amsp_jax.timing`): the saved inputs, one layer's
+    # full activations and two fp32 logits-sized buffers, as `amsp-jax profile` fitted them.
+    passes_block = layers * kept + full_layer + 2 * logits // p_bytes * FP32
+    from_master = params if not stored else 0
+    return Memory(params - from_master, grads, master, opt_state, passes_block, peaks, from_master)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,9 @@ tries to load the CUDA driver, fails, and registers no topology.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 from importlib import metadata
 
 import jax
@@ -77,3 +79,16 @@ def topology(name: str, nodes: int, devices_per_node: int) -> list[jax.Device]:
             f"(now {platforms!r}) so that the plugin does not try to load a CUDA driver"
         ) from e
     return list(topo.devices)
+
+
+@functools.cache
+def device_memory(device_kind: str) -> int | None:
+    """Bytes of memory XLA's device description gives a GPU of this kind (`NVIDIA A100-SXM4-80GB`), read
+    from the shipped targets; None for a kind none of them describes."""
+    for name in known_targets():
+        text = target_config(name)
+        kind = re.search(r'device_description_str: "([^"]*)"', text)
+        size = re.search(r"device_memory_size: (\d+)", text)
+        if kind and size and kind.group(1) == device_kind:
+            return int(size.group(1))
+    return None

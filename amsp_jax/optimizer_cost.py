@@ -101,6 +101,10 @@ class OptimizerUpdate:
         """`factored` as a dict."""
         return dict(self.factored)
 
+    def communicates_on(self, path: Path) -> bool:
+        """Whether the update's collectives on this leaf depend on how it is split."""
+        return path in self.muon_leaves or path in self.factored_leaves
+
 
 ELEMENT_WISE = OptimizerUpdate()
 

@@ -48,13 +48,14 @@ import pulp
 from amsp_jax import config_files, optimizer_cost, timing
 from amsp_jax.cluster_config import ClusterConfig, for_cluster
 from amsp_jax.cluster_config import load as load_cluster
-from amsp_jax.cost import Transfer, Workload, leaf_transfers, llama_workload, memory
+from amsp_jax.cost import Transfer, Workload, leaf_transfers, llama_workload, looped_blocks, memory
 from amsp_jax.models.llama import LlamaConfig, ModelConfigError, muon_dimension_numbers
 from amsp_jax.plan import REMAT_POLICIES, Plan, Precision
 from amsp_jax.schedule import UPDATE, Implementation, accumulates, params_from_master, uses_prefetch
 from amsp_jax.sharding import plan_axes, shard_dims
 from amsp_jax.space import Cluster, Placement, Strategy, preset
 from amsp_jax.workload import ModelSpec
+from amsp_jax.xla import selects_in_place
 
 GIB = 2**30
 
@@ -121,6 +122,7 @@ class Request:
             w = llama_workload(self.model, *knobs)
         return w.with_(
             min_collective_itemsize=self.cluster.collective_min_itemsize,
+            update_in_place=selects_in_place(self.cluster.platform),
             implementation=self.implementation,
             optimizer=_update_rules(
                 tuple((leaf.path, leaf.shape) for leaf in w.leaves),
@@ -133,7 +135,8 @@ class Request:
         """Whether the step runs the explicit-prefetch loop for this batching and remat."""
         if isinstance(self.model, ModelSpec) and not self.model.prefetchable:
             return False  # blocks run by a scan (nn.scan, nnx.scan) gather in the loop, no prefetch
-        return uses_prefetch(micro_batches, remat, self.model.n_layers, self.implementation.prefetch)
+        stack = not (isinstance(self.model, ModelSpec) and looped_blocks(self.model.leaves))
+        return uses_prefetch(micro_batches, remat, self.model.n_layers, self.implementation.prefetch, stack)
 
 
 @functools.cache
@@ -191,13 +194,17 @@ class Terms:
     passes: dict[tuple[str, Placement, int], float]  # (component, placement, π): memory-pass seconds
     fixed_passes: dict[tuple[int, str], float]  # (micro-batch size, remat): passes every plan runs
     update: dict[tuple[Placement, Placement], float]  # (OS, largest group): the update's collectives
-    p_memory: dict[tuple[Placement, int, str], float]
-    prefetch_memory: dict[tuple[Placement, int], float]
-    g_memory: dict[tuple[Placement, int], float]  # G with an accumulator (fp32), one of two copies
-    g_single_memory: dict[tuple[Placement, int], float]  # G with one micro-batch (the reduce dtype)
+    # Memory (`cost.Memory`): the model states and each peak's terms, by what they depend on.
+    p_memory: dict[tuple[Placement, int], float]  # the stored P blocks
+    p_layer_memory: dict[tuple[Placement, int], float]  # one layer's gathered weights beyond the shard
+    p_other_memory: dict[tuple[Placement, int], float]  # the other leaves gathered beyond their shards
+    g_memory: dict[tuple[Placement, int, bool], float]  # G blocks (accumulating: fp32)
+    g_other_memory: dict[tuple[Placement, int, bool], float]  # of them, the other leaves'
     os_memory: dict[tuple[Placement, int], float]  # master and moments
     os_update_memory: dict[tuple[Placement, int], float]  # the update's new master
-    activations: dict[tuple[int, str], float]
+    pair_memory: dict[tuple[Placement, Placement, int], dict[str, float]]  # (P, OS, π): each peak's term
+    activations: dict[tuple[int, str], float]  # the memory passes' activation block
+    activation_peaks: dict[tuple[int, str], dict[str, float]]  # (b, r): each peak's activation bytes
     compute: dict[tuple[int, str], timing.Compute]
     memory_limit: float
 
@@ -252,31 +259,39 @@ class Terms:
         }
 
     def memory(self, choice: Choice, extra_params: Placement | None = None) -> float:
-        """Bytes per device of `choice` (the larger of the backward and update peaks, as
-        `cost.Memory.total`); `extra_params` adds a second P copy of that placement."""
+        """Bytes per device of `choice` (its largest peak, as `cost.Memory.total`); `extra_params` adds a
+        second P copy of that placement."""
+        return max(self.peaks(choice).values()) + (
+            0.0 if extra_params is None else self.p_memory[(extra_params, self.profile(choice.strategy))]
+        )
+
+    def peaks(self, choice: Choice) -> dict[str, float]:
+        """Bytes per device at each of `cost.PEAKS`, by the decomposed model."""
         s, b, r = choice.strategy, choice.micro_batch_size, choice.remat
         pi = self.profile(s)
         m = dict(self.batchings)[b]
-        accumulating = accumulates(m)
-        grads = self.g_memory[(s.grads, pi)] if accumulating else self.g_single_memory[(s.grads, pi)]
-        states = self.os_memory[(s.opt_state, pi)] + grads
-        backward = (
-            self.p_memory[(s.params, pi, r)]
-            + (self.prefetch_memory[(s.params, pi)] if self.request.prefetches(m, r) else 0.0)
-            + (self.g_memory[(s.grads, pi)] if accumulating else 0.0)  # the micro-batch's gradient
-            + states
-            + self.activations[(b, r)]
-        )
-        update = (
-            self.p_memory[(s.params, pi, "params only")] + states + self.os_update_memory[(s.opt_state, pi)]
-        )
-        if params_from_master(s):  # P is the master cast as the step goes, not stored
-            backward -= self.p_memory[(s.params, pi, "params only")]
-            update -= self.p_memory[(s.params, pi, "params only")]
-        total = max(backward, update)
-        if extra_params is not None:
-            total += self.p_memory[(extra_params, pi, "params only")]
-        return total
+        acc = accumulates(m)
+        grads = self.g_memory[(s.grads, pi, acc)]
+        held = 0.0 if params_from_master(s) else self.p_memory[(s.params, pi)]
+        held += self.os_memory[(s.opt_state, pi)]
+        layer, other = self.p_layer_memory[(s.params, pi)], self.p_other_memory[(s.params, pi)]
+        accumulation = grads if acc else 0.0
+        prefetch = self.request.prefetches(m, r)
+        act = self.activation_peaks[(b, r)]
+        pair = self.pair_memory.get((s.params, s.opt_state, pi), {})
+        peaks = {
+            "loss": held + grads + other + accumulation + act["loss"],
+            "backward": held
+            + grads
+            + (3 if prefetch else 1) * layer
+            + (other if acc or prefetch else 0.0)
+            + accumulation
+            - self.g_other_memory[(s.grads, pi, acc)]
+            + act["backward"],
+            "update": held + grads + self.os_update_memory[(s.opt_state, pi)],
+            "refresh": held,
+        }
+        return {name: total + pair.get(name, 0.0) for name, total in peaks.items()}
 
 
 def _merge_time(parts: Iterable[tuple[int, Transfer]], group: str, cluster: ClusterConfig) -> float:
@@ -353,35 +368,33 @@ def build_terms(request: Request) -> Terms:
                 reduction[(a, o, pi)] = group_time(timing.REDUCTION, a, o, pi)
                 refresh[(a, o, pi)] = group_time(timing.REFRESH, a, o, pi)
 
-    # Memory: Memory fields of probes whose largest group has profile π.
+    # Memory: the fields and peak terms of probes whose largest group has profile π, with one
+    # micro-batch on the checkpointed scan and with two (an accumulator, the other leaves held).
     remats = tuple(r for r in REMAT_POLICIES if r in request.remats)
-    # Memory probes use two micro-batches (no prefetch loop, a gradient accumulator); where the
-    # schedule has no accumulator G counts once (one micro-batch's probe: in the reduce dtype), and the
-    # prefetch loop's extra gathered layer is the difference of one micro-batch with and without it.
-    p_memory: dict[tuple[Placement, int, str], float] = {}
-    prefetch_memory: dict[tuple[Placement, int], float] = {}
-    g_memory, g_single_memory, os_memory, os_update_memory, passes = {}, {}, {}, {}, {}
-    workloads = {r: request.workload(micro_batches=2, remat=r) for r in remats}
-    looped = request.workload(micro_batches=1, remat="full")
-    looped = looped.with_(implementation=dataclasses.replace(request.implementation, prefetch=True))
-    scanned = looped.with_(implementation=dataclasses.replace(request.implementation, prefetch=False))
+    p_memory, p_layer_memory, p_other_memory, g_memory, g_other_memory = {}, {}, {}, {}, {}
+    os_memory, os_update_memory, passes = {}, {}, {}
+    scanned = request.workload(micro_batches=1, remat="full")
+    scanned = scanned.with_(implementation=dataclasses.replace(request.implementation, prefetch=False))
+    accumulating = scanned.with_(micro_batches=2)
     for (x, pi), t in holder.items():
         axes = plan_axes(cluster, Strategy(x, x, t))
-        as_p = {r: memory(axes, workloads[r]) for r in remats}
-        for r, mem in as_p.items():
-            p_memory[(x, pi, r)] = float(mem.param_blocks + mem.gathered)
-        single = memory(axes, looped)
-        prefetch_memory[(x, pi)] = float(single.gathered - memory(axes, scanned).gathered)
-        first = as_p[remats[0]]
-        p_memory[(x, pi, "params only")] = float(first.param_blocks)
-        g_memory[(x, pi)] = float(first.grads)  # one micro-batch's gradient; the accumulator doubles it
-        g_single_memory[(x, pi)] = float(single.grads)
-        as_os = memory(plan_axes(cluster, Strategy(t, t, x)), workloads[remats[0]])
+        single, two = memory(axes, scanned), memory(axes, accumulating)
+        p_memory[(x, pi)] = float(single.param_blocks)
+        p_layer_memory[(x, pi)] = float(single.peaks["backward"].gathered)
+        p_other_memory[(x, pi)] = float(single.peaks["loss"].gathered)
+        g_memory[(x, pi, False)], g_memory[(x, pi, True)] = float(single.grads), float(two.grads)
+        g_other_memory[(x, pi, False)] = -float(single.peaks["backward"].grads)
+        g_other_memory[(x, pi, True)] = float(two.grads - two.peaks["backward"].grads)
+        as_os = memory(plan_axes(cluster, Strategy(t, t, x)), accumulating)
         os_memory[(x, pi)] = float(as_os.master + as_os.opt_state)
-        os_update_memory[(x, pi)] = float(as_os.update)
-        passes[("P", x, pi)] = timing.pass_time("params", first.param_blocks, hardware)
-        passes[("G", x, pi)] = timing.pass_time("grads", first.grads, hardware)  # fp32: an accumulator
+        os_update_memory[(x, pi)] = float(as_os.peaks["update"].opt_state)
+        passes[("P", x, pi)] = timing.pass_time("params", two.param_blocks, hardware)
+        passes[("G", x, pi)] = timing.pass_time("grads", two.grads, hardware)  # fp32: an accumulator
         passes[("OS", x, pi)] = timing.opt_state_time(as_os, base.precision.param_bytes, hardware)
+    pair_memory = {}
+    for a, o, pi in refresh:
+        pair = memory(plan_axes(cluster, Strategy(a, a, o)), scanned).peaks
+        pair_memory[(a, o, pi)] = {name: float(peak.p_with_os) for name, peak in pair.items()}
     # The optimizer update's collectives (Muon's, Adafactor's) depend on the dimension each leaf is split
     # along, which the largest group's degree sets: one term per (OS, largest group) pair.
     update = {
@@ -391,11 +404,13 @@ def build_terms(request: Request) -> Terms:
     }
 
     batchings = tuple(request.batchings())
-    activations, compute, fixed_passes = {}, {}, {}
+    activations, activation_peaks, compute, fixed_passes = {}, {}, {}, {}
     ddp_axes = plan_axes(cluster, Strategy(one, one, one))
     for (b, m), r in itertools.product(batchings, remats):
         w = request.workload(b, m, r)
-        activations[(b, r)] = float(memory(ddp_axes, w).activations)
+        mem = memory(ddp_axes, w)
+        activations[(b, r)] = float(mem.activations)
+        activation_peaks[(b, r)] = {name: float(peak.activations) for name, peak in mem.peaks.items()}
         compute[(b, r)] = timing.compute_times(w, hardware)
         fixed_passes[(b, r)] = timing.fixed_pass_time(w.num_params, activations[(b, r)], hardware)
     return Terms(
@@ -414,12 +429,15 @@ def build_terms(request: Request) -> Terms:
         fixed_passes=fixed_passes,
         update=update,
         p_memory=p_memory,
-        prefetch_memory=prefetch_memory,
+        p_layer_memory=p_layer_memory,
+        p_other_memory=p_other_memory,
         g_memory=g_memory,
-        g_single_memory=g_single_memory,
+        g_other_memory=g_other_memory,
         os_memory=os_memory,
         os_update_memory=os_update_memory,
+        pair_memory=pair_memory,
         activations=activations,
+        activation_peaks=activation_peaks,
         compute=compute,
         memory_limit=hardware.memory_limit,
     )
@@ -542,52 +560,56 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
             )
         prob += u[pi] <= total(x[(c, q)] for c in COMPONENTS for q in qs if terms.profile_of[q] == pi)
 
-    # Memory (GiB, for the solver's tolerances), remat-dependent P memory through z·ρ products.
-    base_r = terms.remats[0]
-    mem = total(terms.p_memory[(q, pi, base_r)] / GIB * z[("P", q, pi)] for q, pi in terms.possible)
-    mem += total(terms.g_single_memory[(q, pi)] / GIB * z[("G", q, pi)] for q, pi in terms.possible)
-    mem += total(terms.os_memory[(q, pi)] / GIB * z[("OS", q, pi)] for q, pi in terms.possible)
-    mem += total(terms.activations[k] / GIB * w[k] for k in w)
-    # The update's peak (`cost.Memory.update_peak`): model states and the new master, no activations.
-    update_mem = total(
-        terms.p_memory[(q, pi, "params only")] / GIB * z[("P", q, pi)]
-        + terms.g_single_memory[(q, pi)] / GIB * z[("G", q, pi)]
-        + (terms.os_memory[(q, pi)] + terms.os_update_memory[(q, pi)]) / GIB * z[("OS", q, pi)]
-        for q, pi in terms.possible
-    )
-    # P on OS's placement is not stored (`schedule.params_from_master`): the pair variable of the
-    # refresh from OS onto the same placement takes its bytes off both peaks.
+    # Memory (GiB, for the solver's tolerances): one expression per peak of `cost.Memory`, each under
+    # the limit. Held all step: the stored P, G and OS. P on OS's placement is not stored
+    # (`schedule.params_from_master`): the pair variable of the refresh from OS onto the same
+    # placement takes its bytes off.
     from_master = {(a, o, pi): v for (a, o, pi), v in z_ref.items() if params_from_master(Strategy(a, a, o))}
-    for (a, _, pi), v in from_master.items():
-        mem -= terms.p_memory[(a, pi, "params only")] / GIB * v
-        update_mem -= terms.p_memory[(a, pi, "params only")] / GIB * v
-    # The schedule's rules as products of binaries: G counts twice in fp32 with an accumulator, and the
-    # prefetch loop holds one more gathered layer for the (batching, remat) pairs that run it.
+    held = total(terms.p_memory[k] / GIB * z[("P", *k)] for k in terms.possible)
+    held -= total(terms.p_memory[(a, pi)] / GIB * v for (a, _, pi), v in from_master.items())
+    held += total(terms.os_memory[k] / GIB * z[("OS", *k)] for k in terms.possible)
+    # The schedule's rules as products of binaries: with an accumulator G is in fp32 and one
+    # micro-batch's gradient sits beside it, and the other leaves stay gathered through the backward;
+    # the prefetch loop holds two more gathered layers and the other leaves for the (batching, remat)
+    # pairs that run it.
     micro = dict(terms.batchings)
     no_accumulator = total(mb[b] for b, m in terms.batchings if not accumulates(m))
     prefetching = total(w[(b, r)] for (b, r) in w if terms.request.prefetches(micro[b], r))
+    grads, loss, backward = pulp.LpAffineExpression(), pulp.LpAffineExpression(), pulp.LpAffineExpression()
     for q, pi in terms.possible:
+        single, fp32 = terms.g_memory[(q, pi, False)], terms.g_memory[(q, pi, True)]
+        other_single, other_fp32 = terms.g_other_memory[(q, pi, False)], terms.g_other_memory[(q, pi, True)]
         accumulator = product(f"acc_{q}_{pi}")
         prob += accumulator >= z[("G", q, pi)] - no_accumulator
-        # With an accumulator G is two fp32 copies in place of one in the reduce dtype.
-        mem += (2 * terms.g_memory[(q, pi)] - terms.g_single_memory[(q, pi)]) / GIB * accumulator
-        update_mem += (terms.g_memory[(q, pi)] - terms.g_single_memory[(q, pi)]) / GIB * accumulator
-        if terms.prefetch_memory[(q, pi)]:
-            held = product(f"pf_{q}_{pi}")
-            prob += held >= z[("P", q, pi)] + prefetching - 1
-            mem += terms.prefetch_memory[(q, pi)] / GIB * held
-    for r in terms.remats[1:]:
-        for q, pi in terms.possible:
-            extra = (terms.p_memory[(q, pi, r)] - terms.p_memory[(q, pi, base_r)]) / GIB
-            if extra:
-                v = product(f"v_{r}_{q}_{pi}")
-                prob += v >= z[("P", q, pi)] + rho[r] - 1
-                prob += v <= z[("P", q, pi)]
-                prob += v <= rho[r]
-                mem += extra * v
+        grads += single / GIB * z[("G", q, pi)] + (fp32 - single) / GIB * accumulator
+        loss += fp32 / GIB * accumulator
+        backward += -other_single / GIB * z[("G", q, pi)]
+        backward += (fp32 - other_fp32 + other_single) / GIB * accumulator
+        loss += terms.p_other_memory[(q, pi)] / GIB * z[("P", q, pi)]
+        backward += terms.p_layer_memory[(q, pi)] / GIB * z[("P", q, pi)]
+        if terms.p_other_memory[(q, pi)]:
+            kept = product(f"ko_{q}_{pi}")
+            prob += kept >= z[("P", q, pi)] - no_accumulator
+            prob += kept >= z[("P", q, pi)] + prefetching - 1  # never both: the loop needs M = 1
+            backward += terms.p_other_memory[(q, pi)] / GIB * kept
+        if terms.p_layer_memory[(q, pi)]:
+            ahead = product(f"pf_{q}_{pi}")
+            prob += ahead >= z[("P", q, pi)] + prefetching - 1
+            backward += 2 * terms.p_layer_memory[(q, pi)] / GIB * ahead
+    peaks = {
+        "loss": held + grads + loss + total(terms.activation_peaks[k]["loss"] / GIB * w[k] for k in w),
+        "backward": held + grads + backward
+        + total(terms.activation_peaks[k]["backward"] / GIB * w[k] for k in w),
+        "update": held
+        + grads
+        + total(terms.os_update_memory[k] / GIB * z[("OS", *k)] for k in terms.possible),
+        "refresh": held,
+    }
+    for name in peaks:
+        peaks[name] += total(terms.pair_memory[k][name] / GIB * v for k, v in z_ref.items())
     if math.isfinite(terms.memory_limit):
-        prob += mem <= terms.memory_limit / GIB
-        prob += update_mem <= terms.memory_limit / GIB
+        for expression in peaks.values():
+            prob += expression <= terms.memory_limit / GIB
 
     # Step time: compute + memory passes + one exposed-time variable per overlap window, bounded below by
     # both arms of `timing.exposed` (exact at the optimum, where it sits on the larger one).
@@ -718,6 +740,7 @@ class Evaluated:
         return Plan(
             cluster, self.strategy, self.micro_batches, precision=precision, remat=self.remat,
             hierarchical=self.implementation.hierarchical, prefetch=self.implementation.prefetch,
+            memory_limit=self.memory_limit,
         )  # fmt: skip
 
     @property

@@ -185,14 +185,21 @@ def padded_size(size: int, degree: int) -> int:
 
 
 def shard_dims(
-    shape: Sequence[int], degree: int, stacked: bool, intra: int = 1
+    shape: Sequence[int], degree: int, stacked: bool, intra: int = 1, major_first: bool = True
 ) -> tuple[int | None, int | None]:
     """Where to split a leaf `degree` ways (never on a stacked-layer dimension): (dim, minor dim or None);
     dim None when there is nothing to split. `intra` is the part of `degree` inside a node.
 
-    One dimension that divides (the largest); else two, the node's devices splitting one and the nodes
-    the other (so the collectives of each level stay on one dimension); else the one dimension that
-    needs the fewest padded elements.
+    One dimension that divides: the most major one (`major_first`), else the largest; else two, the
+    node's devices splitting one and the nodes the other (so the collectives of each level stay on one
+    dimension); else the one dimension that needs the fewest padded elements. Major first because a
+    gather along a layer's major dimension lands the pieces contiguously: along another one XLA:GPU
+    transposes the whole stacked block once, before the layer loops, and keeps the copy (LLaMA-30B with
+    P over two devices at 1,024 A100s: two 6.7 GiB copies of the ffn up-projections, 86.6 GiB compiled
+    against 76.3 split the major way). The largest where the optimizer's update communicates on the
+    leaf (Muon, factored Adafactor): its collectives depend on the split, and on LLaMA-7B's matrices
+    split the largest way Muon moves 125 GB per device and step under AMSP's placement, 166 GB split
+    the major way (`benchmarks/optimizer_update.py`).
     """
     first = 1 if stacked else 0
     dims = range(first, len(shape))
@@ -200,7 +207,7 @@ def shard_dims(
         return None, None
     divisible = [d for d in dims if shape[d] % degree == 0]
     if divisible:
-        return max(divisible, key=lambda d: (shape[d], -d)), None
+        return (divisible[0] if major_first else max(divisible, key=lambda d: (shape[d], -d))), None
     inter = degree // intra
     pairs = [(d, e) for d in dims for e in dims if d != e and shape[d] % intra == 0 and shape[e] % inter == 0]
     if intra > 1 and inter > 1 and pairs:
@@ -213,13 +220,15 @@ def shard_dims(
     return min(dims, key=lambda dim: (padding(dim), -shape[dim], dim)), None
 
 
-def leaf_layout(layout: AxisPlan, shape: Sequence[int], stacked: bool) -> LeafLayout:
+def leaf_layout(
+    layout: AxisPlan, shape: Sequence[int], stacked: bool, major_first: bool = True
+) -> LeafLayout:
     """Split of one leaf: every component on the same dimension(s), smaller groups' axes first (a prefix
-    of the largest group's), padded to the largest group where nothing divides."""
+    of the largest group's), padded to the largest group where nothing divides (`shard_dims`)."""
     # Every component's axes are a prefix of the largest group's, whose intra-node axes come first.
     order = max((layout.axes(c) for c in COMPONENTS), key=len)
     intra_axes = [a for a in order if not layout.is_inter(a)]
-    dim, minor_dim = shard_dims(shape, layout.size(order), stacked, layout.size(intra_axes))
+    dim, minor_dim = shard_dims(shape, layout.size(order), stacked, layout.size(intra_axes), major_first)
     axis_dims = (
         tuple((a, minor_dim if minor_dim is not None and layout.is_inter(a) else dim) for a in order)
         if dim is not None

@@ -25,14 +25,15 @@ from flax import traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from amsp_jax import collectives, optim_state
+from amsp_jax import collectives, gpu_target, optim_state, optimizer_cost
 from amsp_jax.errors import AmspError, one_line
 from amsp_jax.layers import Chain, LayerContext, Layers, StackOps, find_layers, layer_context, linen_blocks
+from amsp_jax.optimizer_cost import ELEMENT_WISE, OptimizerUpdate
 from amsp_jax.plan import Plan
 from amsp_jax.schedule import LeafSchedule, Schedule, grad_dtype
 from amsp_jax.schedule import build as build_schedule
 from amsp_jax.sharding import Layout, LeafLayout, batch_spec, leaf_layout, make_layout, pad, unpad
-from amsp_jax.xla import compiler_options, selects_in_place
+from amsp_jax.xla import compiler_options, scheduler_slop_factor, selects_in_place
 
 Path = tuple[str, ...]
 LossFn = Callable[[Any, Any], jax.Array]
@@ -70,6 +71,8 @@ class ParamLayout:
     blocks: tuple[Path, ...] = ()
     backward_unused: frozenset[Path] = frozenset()  # block leaves the backward pass does not read
     frozen: frozenset[Path] = frozenset()  # leaves not trained (`Trainer(frozen=...)`)
+    # Leaves the optimizer's update communicates on: split the largest way (`sharding.shard_dims`).
+    split_for_update: frozenset[Path] = frozenset()
 
     def stack_of(self, path: Path) -> Path | None:
         """The stacked subtree holding `path` (its leaves have a layer dimension), if any."""
@@ -116,18 +119,25 @@ def _flatten(tree: Any) -> dict[Path, Any]:
 
 
 def param_layout(
-    layout: Layout, layers: Layers, frozen: Callable[[Path], bool] | None = None
+    layout: Layout,
+    layers: Layers,
+    frozen: Callable[[Path], bool] | None = None,
+    update: OptimizerUpdate = ELEMENT_WISE,
 ) -> ParamLayout:
-    """Split every leaf of the model's parameters for the layout, knowing its layers and which are frozen."""
+    """Split every leaf of the model's parameters for the layout, knowing its layers, which are frozen
+    and on which the optimizer's update communicates (those keep the split its rules were measured on)."""
     stacks = layers.stacked
     flat = _flatten(layers.abstract_params)
     leaves = {
-        path: leaf_layout(layout, leaf.shape, any(path[: len(s)] == s for s in stacks))
+        path: leaf_layout(
+            layout, leaf.shape, any(path[: len(s)] == s for s in stacks), not update.communicates_on(path)
+        )
         for path, leaf in flat.items()
     }
     treedef = jax.tree.structure(layers.abstract_params)
     held = frozenset(p for p in leaves if frozen is not None and frozen(p))
-    return ParamLayout(leaves, stacks, treedef, tuple(layers.blocks), layers.backward_unused, held)
+    kept = frozenset(p for p in leaves if update.communicates_on(p))
+    return ParamLayout(leaves, stacks, treedef, tuple(layers.blocks), layers.backward_unused, held, kept)
 
 
 def _blocks_summary(pl: ParamLayout) -> str:
@@ -228,7 +238,7 @@ class Trainer:
             plan = self.plan
             leaves = [
                 (path, leaf.shape, pl.stack_of(path) is not None, pl.per_layer(path),
-                 path not in pl.backward_unused, path in pl.frozen)
+                 path not in pl.backward_unused, path in pl.frozen, path not in pl.split_for_update)
                 for path, leaf in pl.leaves.items()
             ]  # fmt: skip
             built = build_schedule(
@@ -282,7 +292,8 @@ class Trainer:
                     "collection (e.g. in a flax variable of another collection, or a constant)"
                 )
         self._abstract_collections = self._find_collections(found, key, example_inputs)
-        self.params_layout = param_layout(self.layout, found, self.frozen)
+        update = optimizer_cost.describe(self.optimizer, abstract)
+        self.params_layout = param_layout(self.layout, found, self.frozen, update)
         self._example_inputs = example_inputs
 
     def _find_collections(self, found: Layers, key: jax.Array, example_inputs: tuple[Any, ...]) -> dict:
@@ -501,7 +512,7 @@ class Trainer:
                 prefetching.add(stack)
         block_ops = {block: layer_ops(block)[0] for block in pl.blocks}
         looped = [b for b in pl.blocks if b not in pl.stacks]
-        if looped and schedule.prefetches(len(looped)):
+        if looped and schedule.prefetches(len(looped), stack=False):
             prefetching.update(looped)
         top_sinks = {
             p: collectives.make_sink(leaf, reduce_dtype, grad_dtype)
@@ -799,7 +810,9 @@ class Trainer:
         key = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), batch)
         key = str(jax.tree.structure(batch)), tuple(jax.tree.leaves(key))
         if key not in self._compiled:
-            options = compiler_options(self.layout.platform, self._largest_gather_bytes())
+            options = compiler_options(
+                self.layout.platform, self._largest_gather_bytes(), self._slop_factor(state, batch)
+            )
             lowered = self.lower(state, batch)
             if self.layout.mesh.devices.flat[0] in jax.devices():
                 self._compiled[key] = lowered.compile(options)
@@ -814,6 +827,22 @@ class Trainer:
                 finally:
                     jax.config.update("jax_persistent_cache_min_compile_time_secs", least)
         return self._compiled[key]
+
+    def _slop_factor(self, state: Any, batch: Any) -> int | None:
+        """XLA's scheduler budget for the plan's `memory_limit` (`xla.scheduler_slop_factor`); None without
+        a limit, or on a device whose memory no shipped GPU target describes."""
+        device_memory = gpu_target.device_memory(self.layout.mesh.devices.flat[0].device_kind)
+        if self.plan.memory_limit is None or device_memory is None:
+            return None
+        shardings = self.state_shardings()
+        io_bytes = sum(
+            math.prod(sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+            for x, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(shardings), strict=True)
+        )
+        io_bytes += sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(batch)) // len(
+            self.layout.mesh.devices.flat
+        )
+        return scheduler_slop_factor(self.plan.memory_limit, device_memory, io_bytes)
 
     def _largest_gather_bytes(self) -> int:
         """Bytes of the largest single gather: one layer of a stack, or all the other leaves together."""

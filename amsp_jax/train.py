@@ -520,6 +520,7 @@ def _setup(
     plan = Plan(
         cluster, choice.strategy, choice.micro_batches, precision=config.precision, remat=choice.remat,
         hierarchical=choice.hierarchical, prefetch=choice.prefetch,
+        memory_limit=None if hardware is None else hardware.memory_limit,
     )  # fmt: skip
     model = Llama(model_config)
     trainer = Trainer(plan, model, make_optimizer(config), make_loss_fn(model), devices=devices)

@@ -29,6 +29,7 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from amsp_jax import audit, cost, gpu_target, xla
+from amsp_jax.cluster_config import load as load_cluster
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from amsp_jax.plan import Plan
 from amsp_jax.sharding import plan_axes
@@ -38,7 +39,7 @@ from benchmarks import peer_gspmd
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
-PRESET_ROWS = ("zero1", "zero2", "zero3", "zero3/scan", "mics")
+PRESET_ROWS = ("zero1", "zero2", "zero3", "zero3/loop", "mics")
 NOTES_MARKER = "<!-- findings: kept when the tables are regenerated -->"
 
 
@@ -46,19 +47,26 @@ def _abstract(batch: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.ShapeDtyp
     return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
 
 
-def amsp_row(config: LlamaConfig, devices: list[jax.Device], strategy: str, seq: int) -> dict[str, Any]:
-    """Compile amsp_jax's step for one plan and audit it. Suffixes choose the implementation: `/scan`
-    runs the checkpointed layer scan in place of the prefetch loop (`Plan(prefetch=False)`), as the
-    peer does; `/flat` issues collectives that span nodes as one flat collective (`hierarchical=False`)."""
+def amsp_row(
+    config: LlamaConfig, devices: list[jax.Device], strategy: str, seq: int, memory_limit: float | None = None
+) -> dict[str, Any]:
+    """Compile amsp_jax's step for one plan and audit it. Suffixes choose the implementation: `/loop`
+    runs the explicit-prefetch layer loop in place of the checkpointed scan (`Plan(prefetch=True)`);
+    `/flat` issues collectives that span nodes as one flat collective (`hierarchical=False`); `@dots`
+    or `@none` sets the remat policy (default full)."""
     cluster = Cluster.detect(devices)
+    strategy, _, remat = strategy.partition("@")
     name, *suffixes = strategy.split("/")
-    unknown = set(suffixes) - {"scan", "flat"}
+    unknown = set(suffixes) - {"loop", "flat"}
     if unknown:
-        raise SystemExit(f"unknown plan suffix {sorted(unknown)} in {strategy!r}; known: /scan, /flat")
+        raise SystemExit(f"unknown plan suffix {sorted(unknown)} in {strategy!r}; known: /loop, /flat")
     chosen = preset(name, cluster) if name in PRESETS else Strategy.parse(name)
-    prefetch = False if "scan" in suffixes else None
+    prefetch = True if "loop" in suffixes else None
     flat = "flat" in suffixes
-    plan = Plan(cluster, chosen, 1, precision="mixed", remat="full", prefetch=prefetch, hierarchical=not flat)
+    plan = Plan(
+        cluster, chosen, 1, precision="mixed", remat=remat or "full", prefetch=prefetch,
+        hierarchical=not flat, memory_limit=memory_limit,
+    )  # fmt: skip
     model = Llama(config)
     trainer = Trainer(plan, model, optax.adamw(1e-4), make_loss_fn(model), devices=devices)
     trainer.setup(jax.random.key(0), jnp.zeros((1, seq), jnp.int32))
@@ -69,7 +77,7 @@ def amsp_row(config: LlamaConfig, devices: list[jax.Device], strategy: str, seq:
     overlap = report.measured.overlap_summary()
     return {
         "system": "amsp_jax",
-        "plan": strategy,
+        "plan": strategy + (f"@{remat}" if remat else ""),
         "strategy": report.strategy,
         "compile_s": round(seconds, 1),
         "bytes_match": report.bytes_match,
@@ -164,15 +172,21 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument(
+        "--cluster",
+        default="a800-8x-ib800",
+        help="the cluster config whose memory budget the plans get (XLA's scheduler is told it)",
+    )
+    parser.add_argument(
         "--extra",
         nargs="*",
         default=[],
         metavar="MODEL=STRATEGY",
-        help="more plans, e.g. the planner's choice: llama-7b=p=1x1,g=1x1,os=8x32 (from amsp-jax plan)",
+        help="more plans, e.g. the planner's choice: llama-30b=p=2x1,g=8x1,os=8x64@dots (from amsp-jax plan)",
     )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_compiled"))
     args = parser.parse_args()
     devices = gpu_target.topology(args.target, args.nodes, 8)
+    budget = load_cluster(args.cluster).memory_limit
     results: dict[str, list[dict[str, Any]]] = {}
     out = Path(args.out)
     for name in args.models:
@@ -181,7 +195,7 @@ def main() -> None:
         plans += [e.partition("=")[2] for e in args.extra if e.partition("=")[0] == name]
         rows = results.setdefault(name, [])
         for plan in plans:
-            rows.append(amsp_row(config, devices, plan, args.seq_len))
+            rows.append(amsp_row(config, devices, plan, args.seq_len, budget))
             print(name, rows[-1]["plan"], _gib(rows[-1]["compiled_memory"]), flush=True)
         if not args.no_peer:
             for mode in peer_gspmd.MODES:
@@ -190,9 +204,11 @@ def main() -> None:
         out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     body = [
         f"# GPU-compiled step: {args.target}, {args.nodes} nodes x 8, seq {args.seq_len}, one sequence per "
-        "device (M = 1), mixed precision, remat full",
+        "device (M = 1), mixed precision, remat full unless the plan says `@dots`",
         "",
-        "Compiled by XLA's CUDA compiler on a CPU-only machine (`benchmarks/gpu_compiled.py`); no GPU ran.",
+        "Compiled by XLA's CUDA compiler on a CPU-only machine (`benchmarks/gpu_compiled.py`); no GPU ran. "
+        f"amsp_jax's plans carry the memory budget of `{args.cluster}` ({budget / GIB:.1f} GiB per device), "
+        "which XLA's scheduler is given.",
         "",
     ]
     for name, rows in results.items():

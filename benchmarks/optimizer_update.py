@@ -172,8 +172,8 @@ def check_leaves(cluster: Any, strategy: str, config: Any, kind: str, only: str 
         opt = _single_leaf_optimizer(kind, config, path)
         if opt is None:
             continue
-        leaf = sharding.leaf_layout(layout, shape, stacked)
         rules = optimizer_cost.describe(opt, {"w": jax.ShapeDtypeStruct(shape, np.float32)})
+        leaf = sharding.leaf_layout(layout, shape, stacked, not rules.communicates_on(("w",)))
         predicted: dict[str, int] = {}
         workload = cost.Workload((), cost.llama_dims(config), 1, 1, 1, min_collective_itemsize=4)
         for op in optimizer_cost.update_ops(layout, ("w",), leaf, rules):
@@ -215,10 +215,13 @@ def whole_matrices(cluster: Any, strategy: str, config: Any) -> list[dict]:
         opt = _single_leaf_optimizer("muon", config, path)
         if opt is None or not stacked or shape[0] % k:
             continue
-        leaf = sharding.leaf_layout(layout, shape, stacked)
+        leaf = sharding.leaf_layout(layout, shape, stacked, major_first=False)  # as the Trainer splits it
         entry = axes if len(axes) > 1 else axes[0]
         spec = P(entry, *([None] * (len(shape) - 1)))
-        owned = sharding.LeafLayout(tuple(shape), 0, {c: spec for c in ("params", "grads", "opt_state")})
+        owned = sharding.LeafLayout(
+            tuple(shape), 0, {c: spec for c in ("params", "grads", "opt_state")}, tuple(shape),
+            axis_dims=tuple((a, 0) for a in axes),
+        )  # fmt: skip
         split = _compiled_bytes(_compile_update(opt, layout, leaf), layout)
         by_layer = _compiled_bytes(_compile_update(opt, layout, leaf, owned), layout)
         rows.append(

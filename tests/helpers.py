@@ -96,11 +96,15 @@ def trained(
     precision: str = "fp32",
     remat: str = "full",
     layers: int = TINY.n_layers,
+    prefetch: bool | None = None,
 ) -> tuple:
     """(trainer, final state, losses) of `STEPS` steps of the tiny model (with `layers` layers); cached
     so the step and audit tests share one compile per plan."""
     model = Llama(dataclasses.replace(TINY, n_layers=layers))
-    plan = aj.Plan(CLUSTER, aj.resolve(strategy, CLUSTER), micro_batches, precision=precision, remat=remat)
+    plan = aj.Plan(
+        CLUSTER, aj.resolve(strategy, CLUSTER), micro_batches, precision=precision, remat=remat,
+        prefetch=prefetch,
+    )  # fmt: skip
     trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model))
     data = train_data()
     state = trainer.init(jax.random.key(0), data[0]["inputs"])

@@ -154,11 +154,14 @@ def compiled_memory(style: str, layers: tuple[type, ...] | None = None) -> tuple
 @pytest.mark.slow
 @pytest.mark.parametrize("style", STYLES)
 def test_zero3_memory_is_per_layer(style):
-    """Below the full parameters, and within 10% of the same model built with LayerStack."""
+    """Below the full parameters, and at most two gathered blocks above the same model built with
+    LayerStack (its checkpointed scan holds one layer's weights; a loop of blocks gathers the next
+    block's while it runs one)."""
     memory, full = compiled_memory(style)
     stacked, _ = compiled_memory("stack")
+    block = full / 8  # the embeddings are a small share at this width: every block counts as 1/8
     assert memory < full, (memory, full)
-    assert memory <= 1.1 * stacked, (memory, stacked)
+    assert memory <= stacked + 2 * block, (memory, stacked, block)
 
 
 def test_whole_tree_gathering_keeps_every_block():

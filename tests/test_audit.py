@@ -35,7 +35,7 @@ def test_measured_bytes_equal_predicted_per_kind_and_level(strategy, micro_batch
 
 @pytest.mark.parametrize("strategy", ["zero3", "p=2x1,g=4x1,os=4x2"])
 def test_prefetching_layer_loop_moves_the_predicted_bytes(strategy):
-    trainer, _, _ = trained(strategy, 1, layers=MIN_PREFETCH_LAYERS)
+    trainer, _, _ = trained(strategy, 1, layers=MIN_PREFETCH_LAYERS, prefetch=True)
     dims = cost.llama_dims(dataclasses.replace(TINY, n_layers=MIN_PREFETCH_LAYERS))
     report = audit.audit_trainer(trainer, train_data()[0], dims)
     assert report.bytes_match, report.table()
