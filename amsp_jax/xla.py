@@ -43,10 +43,10 @@ XLA_SCHEDULER_BASE = 0.8
 # XLA's scheduler counts more than buffer assignment later allocates, and stops overlapping collectives
 # once its count reaches its budget; so it gets this much more than the plan's budget. Measured at
 # 1,024 A100s on the planner's choices, both planned at 73.3-73.5 GiB of a 73.6 GiB budget: LLaMA-65B
-# (P over a node) had 0.4 / 0.8 / 24 / 99 % of its per-layer collective bytes overlapped with XLA
-# budgets of 1.00 / 1.03 / 1.06 / 1.10 x the plan's (76.1-76.5 GiB compiled); 30B (P over two
-# devices) 28 % at 1.00, 99 % at 1.10 (75.5 GiB).
-SCHEDULER_HEADROOM = 1.1
+# (P over a node) had 0.4 / 0.8 / 24 / 68 / 99 / 99 % of its per-layer collective bytes overlapped
+# with XLA budgets of 1.00 / 1.03 / 1.06 / 1.097 / 1.10 / 1.20 x the plan's (the step is that sharp),
+# compiling to 76.1-76.5 GiB; 30B (P over two devices) 28 % at 1.00, 99 % from 1.10 (75.5 GiB).
+SCHEDULER_HEADROOM = 1.2
 
 
 def scheduler_slop_factor(memory_limit: float, device_memory: int, io_bytes: int) -> int:
