@@ -780,7 +780,7 @@ class Evaluated:
             "micro_batches": self.micro_batches,
             "remat": self.remat,
             "collectives": "hierarchical" if self.implementation.hierarchical else "flat",
-            "prefetch_loop": self.implementation.prefetch is not False,
+            "prefetch": self.implementation.prefetch,  # `Plan.prefetch`: None is the library's rule
             "step_time_s": self.estimate.time.step_s,
             "mfu": self.estimate.time.mfu,
             "tokens_per_s": self.estimate.time.tokens_per_s(self.devices),

@@ -68,7 +68,7 @@ class Plan:
 
     @property
     def implementation(self) -> Implementation:
-        """How the step issues its collectives: split at node boundaries or flat; the prefetch loop."""
+        """How the step issues its collectives: split at node boundaries or flat; gathering ahead."""
         return Implementation(self.hierarchical, self.prefetch)
 
     def __post_init__(self) -> None:
@@ -98,5 +98,6 @@ class Plan:
             f"{self.strategy} on {self.cluster.nodes}x{self.cluster.devices_per_node} "
             f"({self.cluster.name}), M={self.micro_batches}, {self.precision.name}, remat={self.remat}"
             f"{'' if self.hierarchical else ', flat collectives'}"
-            f"{', no prefetch loop' if self.prefetch is False else ''}"
+            f"{', explicit-prefetch loop' if self.prefetch else ''}"
+            f"{', no gathering ahead' if self.prefetch is False else ''}"
         )

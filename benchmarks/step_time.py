@@ -230,10 +230,9 @@ def build_entries(
         )
 
     the_choice, source = chosen_plan(config, cluster, seq_len, global_batch, chosen)
-    # The presets issue their collectives as the planner does on this cluster (split or flat, the
-    # prefetch loop or the scan); where that is not the library's default (split collectives, the
-    # prefetch loop: what a GPU cluster runs), one more zero3 row runs the default, and the bytes
-    # claims read that row (`claim_row`).
+    # The presets issue their collectives as the planner does on this cluster (split or flat); where
+    # that is not the library's default (split collectives: what a GPU cluster runs), one more zero3
+    # row runs the default, and the bytes claims read that row (`claim_row`).
     amsp = [
         (name, aj.Plan(cluster, aj.resolve(name, cluster), micro_batches, precision="mixed", remat="full",
                        hierarchical=the_choice.hierarchical, prefetch=the_choice.prefetch))

@@ -221,10 +221,11 @@ def test_overlap_audit_reads_the_layer_loops():
 )
 def test_every_looped_layer_collective_has_compute_between_start_and_done():
     # The target. With the scan's checkpoint free of its CSE barrier, XLA's collective pipeliner
-    # moves the backward re-gather into the previous iteration as it does the forward gather (LLaMA-7B:
-    # 92 % of per-layer bytes hidden). Here 24 of the 40 looped collectives are: the re-gather's
-    # intra-node stage has only transposes between start and done, and in the loop's last iterations
-    # XLA makes some pairs synchronous.
+    # moves the backward re-gather into the previous iteration as it does the forward gather (LLaMA-7B
+    # to 65B at 1,024 A100s: 92-93 % of per-layer bytes hidden). Here 24 of the 40 looped collectives
+    # are (the width-1024 model of the memory test: 26 of 42): the layer backward's reduce-scatters
+    # have other kernels but no gemm between start and done, and in the loop's last iterations XLA
+    # makes some pairs synchronous.
     r = report("h100-sxm", "zero3", LOOPED)
     looped = [
         (c, o)
