@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 .PHONY: test demo
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n 2 --dist worksteal
+	$(BIN)/python -m pytest -n 2 --dist worksteal --durations=20
 
 demo: $(STAMP)
 	$(BIN)/amsp-jax train --config configs/train/demo.yaml
