@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import pytest
 from amsp_jax import audit, cost
 from amsp_jax.schedule import MIN_PREFETCH_LAYERS
 from tests.helpers import STRATEGIES, TINY, train_data, trained
+from tests.train_helpers import child_env
 
 DIMS = cost.llama_dims(TINY)
 
@@ -115,7 +115,7 @@ def test_audit_command_json_and_hlo_dump(tmp_path):
         [sys.executable, "-m", "amsp_jax.cli", "audit", "--model", "configs/models/tiny.yaml",
          "--nodes", "2", "--devices-per-node", "4", "--strategy", "p=4x1,g=4x1,os=4x2",
          "--micro-batches", "2", "--seq-len", "16", "--json", "--dump-hlo", str(hlo_file)],
-        capture_output=True, text=True, check=False, env={**os.environ, "XLA_FLAGS": ""},
+        capture_output=True, text=True, check=False, env=child_env(None),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)

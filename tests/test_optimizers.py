@@ -4,7 +4,6 @@ placements derived from the state, its memory, and checkpoints of it onto anothe
 from __future__ import annotations
 
 import functools
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from amsp_jax.checkpoint import Checkpointer
 from amsp_jax.models.llama import Llama, make_loss_fn, muon_dimension_numbers
 from amsp_jax.schedule import UPDATE
 from tests.helpers import CLUSTER, TINY, max_relative_error, train_data
+from tests.train_helpers import child_env
 
 # Warm-up from 0: Adam-like updates divide by sqrt(v), so their first full-size step turns fp32
 # rounding of near-zero gradient entries into learning-rate-sized differences between summation orders.
@@ -306,7 +306,7 @@ def test_update_rules_equal_the_compiled_update_of_llama_7b_leaves_on_1024_devic
         [sys.executable, "-m", "benchmarks.optimizer_update", "--nodes", "128",
          "--strategies", "zero3;p=1x1,g=1x1,os=8x1", "--optimizers", "muon,adafactor",
          "--leaves", "wq,wo,w2,lm_head", "--check"],
-        capture_output=True, text=True, check=False, env={**os.environ, "XLA_FLAGS": ""},
+        capture_output=True, text=True, check=False, env=child_env(None),
         cwd=Path(__file__).resolve().parent.parent,
     )  # fmt: skip
     assert child.returncode == 0, child.stdout + child.stderr

@@ -116,16 +116,20 @@ def file_digests(directory: Path) -> dict[str, str]:
 def child_env(devices: int | None) -> dict[str, str]:
     """The environment of a child process: CPU only, `devices` simulated devices (None: unset).
 
-    The child shares this process's compilation cache, if one is in use.
+    The child shares this process's compilation cache, if one is in use, and its XLA flags but the
+    device count.
     """
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
     env["JAX_PLATFORMS"] = "cpu"
     if jax.config.jax_compilation_cache_dir:
         env["JAX_COMPILATION_CACHE_DIR"] = str(jax.config.jax_compilation_cache_dir)
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     if devices is not None:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     return env
 
 
