@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import logging
 import math
 import os
 import re
@@ -34,6 +35,7 @@ import amsp_jax.data
 import amsp_jax.train
 from amsp_jax.checkpoint import Checkpointer
 from amsp_jax.cli import main
+from amsp_jax.commands.train import abandoned_orbax_read
 from amsp_jax.models.llama import LlamaConfig, ModelConfigError, make_loss_fn
 from amsp_jax.space import StrategyError
 from amsp_jax.step import TrainerError
@@ -707,6 +709,27 @@ def test_resuming_a_damaged_checkpoint_prints_one_line_and_exits_cleanly(nan_run
         -3000:
     ]
     assert file_digests(run_dir) == before
+
+
+def _never_retrieved(message: str, raised_in: str) -> logging.LogRecord:
+    """asyncio's report of an exception raised in code from the file `raised_in`."""
+    try:
+        exec(compile("raise ValueError('DATA_LOSS: Error reading byte range')", raised_in, "exec"))
+    except ValueError:
+        exc_info = sys.exc_info()
+    return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None, exc_info)
+
+
+def test_only_orbax_reads_abandoned_by_a_failed_restore_are_quieted():
+    # Under load the report was about the `gather` of Orbax's reads, a future whose repr names only
+    # the error, with Orbax in the traceback: the damaged-checkpoint command printed it.
+    orbax_file = "/site-packages/orbax/checkpoint/_src/serialization/jax_array_handlers.py"
+    gathered = "_GatheringFuture exception was never retrieved\nfuture: <_GatheringFuture finished>"
+    task = f"Task exception was never retrieved\nfuture: <Task coro=<_async_deserialize() {orbax_file}>>"
+    assert abandoned_orbax_read(_never_retrieved(gathered, orbax_file))
+    assert abandoned_orbax_read(_never_retrieved(task, "<string>"))
+    assert not abandoned_orbax_read(_never_retrieved(gathered, "/home/user/my_loader.py"))
+    assert not abandoned_orbax_read(_never_retrieved("Executing <Task> took 0.2 seconds", orbax_file))
 
 
 def test_the_table_is_large_enough():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -105,14 +106,12 @@ def quiet_abandoned_reads() -> None:
     closes its event loop and leaves the other reads running in TensorStore: asyncio reports their
     errors as never retrieved, and their completions, calling into the closed loop, raise "Event loop
     is closed" in TensorStore's threads, during the restore or at exit. Dropped here: those asyncio
-    reports about Orbax's tasks, and that RuntimeError where nothing can catch it (unraisable); in a
-    command, a closed event loop has no one left to serve.
+    reports about Orbax's reads (`abandoned_orbax_read`), and that RuntimeError where nothing can catch
+    it (unraisable); in a command, a closed event loop has no one left to serve.
     """
     if getattr(sys.unraisablehook, "quiets_closed_loops", False):
         return  # installed by an earlier command in this process
-    logging.getLogger("asyncio").addFilter(
-        lambda record: not ("was never retrieved" in record.getMessage() and "orbax" in record.getMessage())
-    )
+    logging.getLogger("asyncio").addFilter(lambda record: not abandoned_orbax_read(record))
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
@@ -122,6 +121,19 @@ def quiet_abandoned_reads() -> None:
 
     hook.quiets_closed_loops = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
+
+
+def abandoned_orbax_read(record: logging.LogRecord) -> bool:
+    """Whether an asyncio log record reports an exception never retrieved from one of Orbax's reads.
+
+    A task names Orbax's coroutine in its message; a future (the `gather` of Orbax's reads, which
+    failed under load) names only the error, so the traceback's frames are read too.
+    """
+    message = record.getMessage()
+    if "was never retrieved" not in message:
+        return False
+    trace = record.exc_info[2] if record.exc_info else None
+    return "orbax" in message or any("orbax" in frame.filename for frame in traceback.extract_tb(trace))
 
 
 if __name__ == "__main__":
