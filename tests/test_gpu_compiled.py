@@ -223,9 +223,12 @@ def test_every_looped_layer_collective_has_compute_between_start_and_done():
     # The issue's target. With the scan's checkpoint free of its CSE barrier, XLA's collective pipeliner
     # moves the backward re-gather into the previous iteration as it does the forward gather (LLaMA-7B
     # to 65B at 1,024 A100s: 92-93 % of per-layer bytes hidden). Here 24 of the 40 looped collectives
-    # are (the width-1024 model of the memory test: 26 of 42): the layer backward's reduce-scatters
-    # have other kernels but no gemm between start and done, and in the loop's last iterations XLA
-    # makes some pairs synchronous.
+    # are (the width-1024 model of the memory test: 26 of 42). Of the 40, 24 sit in the layer loops'
+    # bodies and 20 of those are hidden; the 4 that are not are the backward re-gather's second stage
+    # (only transposes between start and done). The other 16 are the pipeline's fill and drain, which
+    # XLA's pipeliner peels out of the layer loops into the micro-batch loop (the first layers'
+    # gathers, the last layers' gradient reduce-scatters, 4 hidden): with 4 layers they are 40 % of the
+    # looped collectives, at 7B's 32 layers a small share of the bytes.
     r = report("h100-sxm", "zero3", LOOPED)
     looped = [
         (c, o)
