@@ -224,11 +224,12 @@ def test_every_looped_layer_collective_has_compute_between_start_and_done():
     # moves the backward re-gather into the previous iteration as it does the forward gather (LLaMA-7B
     # to 65B at 1,024 A100s: 92-93 % of per-layer bytes hidden). Here 24 of the 40 looped collectives
     # are (the width-1024 model of the memory test: 26 of 42). Of the 40, 24 sit in the layer loops'
-    # bodies and 20 of those are hidden; the 4 that are not are the backward re-gather's second stage
-    # (only transposes between start and done). The other 16 are the pipeline's fill and drain, which
-    # XLA's pipeliner peels out of the layer loops into the micro-batch loop (the first layers'
-    # gathers, the last layers' gradient reduce-scatters, 4 hidden): with 4 layers they are 40 % of the
-    # looped collectives, at 7B's 32 layers a small share of the bytes.
+    # bodies and 20 of those are hidden; the 4 that are not are backward re-gathers with only
+    # elementwise kernels between start and done (so with flat collectives too: not the split's chain).
+    # The other 16 are the pipeline's fill and drain, which XLA's pipeliner peels out of the layer
+    # loops into the micro-batch loop (the first layers' gathers, the last layers' gradient
+    # reduce-scatters, 4 hidden): with 4 layers they are 40 % of the looped collectives, at 7B's 32
+    # layers a small share of the bytes.
     r = report("h100-sxm", "zero3", LOOPED)
     looped = [
         (c, o)
