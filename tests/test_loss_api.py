@@ -18,7 +18,8 @@ import pytest
 import amsp_jax as aj
 from amsp_jax import audit, cost
 from amsp_jax.checkpoint import Checkpointer
-from amsp_jax.models.llama import Llama, cross_entropy, make_loss_fn
+from amsp_jax.models import llama
+from amsp_jax.models.llama import Llama, LlamaConfig, cross_entropy, embedding_lookup, make_loss_fn
 from amsp_jax.schedule import BACKWARD_GATHER, FORWARD_GATHER, OTHER_GATHER
 from tests import model_zoo
 from tests.helpers import TINY, optimizer, train_data
@@ -272,3 +273,40 @@ def test_llama_cross_entropy_equals_optax_in_value_and_gradient(dtype):
     np.testing.assert_allclose(
         np.asarray(ours_grad, np.float32), np.asarray(theirs_grad, np.float32), rtol=1e-6, atol=1e-7
     )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_llama_embedding_lookup_equals_take_in_value_and_gradient(dtype):
+    # Repeated tokens (their rows' gradients add up) and a non-finite cotangent (it stays in its row).
+    table = jax.random.normal(jax.random.key(3), (37, 8), jnp.float32).astype(dtype)
+    tokens = jnp.array([[1, 5, 5, 36], [0, 1, 1, 1]])
+    cotangent = jax.random.normal(jax.random.key(4), (2, 4, 8), jnp.float32).astype(dtype)
+    broken = [cotangent.at[i].set(bad) for i in ((0, 0, 0), (1, 3, 2)) for bad in (jnp.inf, jnp.nan)]
+    for probe in (cotangent, *broken):
+        ours, ours_vjp = jax.vjp(lambda t: embedding_lookup(t, tokens), table)
+        theirs, theirs_vjp = jax.vjp(lambda t: jnp.take(t, tokens, axis=0), table)
+        np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(theirs, np.float32))
+        (ours_grad,), (theirs_grad,) = ours_vjp(probe), theirs_vjp(probe)
+        assert ours_grad.dtype == theirs_grad.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(ours_grad, np.float32), np.asarray(theirs_grad, np.float32))
+
+
+def test_llama_embedding_gradient_buffer_is_not_held_through_the_forward(monkeypatch):
+    # A zero3 step of a model whose vocab x dim table dominates: with a plain `jnp.take` XLA creates
+    # the gradient's fp32 zero buffer at the step's start, beside the gathered weights of the forward.
+    config = LlamaConfig(vocab_size=4096, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (8, 33), np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+    def temp_bytes() -> int:
+        model = Llama(config)
+        plan = aj.Plan(CLUSTER, aj.resolve("zero3", CLUSTER), 1, precision="mixed", remat="full")
+        trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model))
+        trainer.setup(jax.random.key(0), batch["inputs"])
+        compiled = trainer.compile(trainer.abstract_state(), trainer.shard_batch(batch))
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    ours = temp_bytes()
+    monkeypatch.setattr(llama, "embedding_lookup", lambda table, ids: jnp.take(table, ids, axis=0))
+    with_take = temp_bytes()
+    assert with_take - ours >= config.vocab_size * config.dim * 4
