@@ -54,6 +54,10 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce")
 PASS_BLOCKS = ("params", "grads", "opt_state", "model", "activations")
 PASS_KEYS = ("bandwidth_gbps", "step_overhead_ms", *PASS_BLOCKS)
 LEVELS = ("intra", "inter")
+# A table measured over one ring of every device of the profiled machines (`flat_ring`): what a flat
+# collective across nodes costs there, latency included, where the two-link formula of
+# `ClusterConfig.collective_time` assumes the NICs and the node's links work side by side.
+FLAT = "flat"
 MATMUL_DTYPES = ("bfloat16", "float32")  # the compute dtypes of the `mixed` and `fp32` precisions
 GB = 1e9
 _UNITS = {
@@ -158,6 +162,7 @@ class ClusterConfig:
     # on a CPU, and XLA:CPU runs bf16 matmuls slower than fp32 ones); a dtype without a table: every
     # matmul at `sustained_flops`.
     matmul_rates: Mapping[str, BandwidthTable] | None = None
+    flat_ring: tuple[int, int] | None = None  # (devices, nodes) of the ring the `flat` tables measured
 
     @property
     def platform(self) -> str:
@@ -221,12 +226,15 @@ class ClusterConfig:
 
         A flat ring that spans nodes with several devices per node sends only nodes/group of its bytes
         across the NICs (it enters and leaves each node once); the rest hop over the node's links, at
-        the same time: the slower of the two sets the pace.
+        the same time: the slower of the two sets the pace. A ring of the shape `flat_ring` measured
+        (`amsp-jax profile`) is priced from that measurement instead, latency and all.
         """
         if size <= 0 or executions <= 0:
             return 0.0
         fixed = executions * self.latency(kind, group, nodes)
         per_op = size / executions
+        if level == "inter" and (group, nodes) == self.flat_ring and (kind, FLAT) in self.bandwidth:
+            return size / self.busbw(kind, FLAT, per_op)
         if level == "inter" and group > nodes > 0:
             nic = size * nodes / group
             return fixed + max(
@@ -281,12 +289,15 @@ def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> Clust
         if kind not in KINDS:
             raise ClusterConfigError(f"{where}: unknown collective kind {kind!r}; use {KINDS}")
         for level, rows in (levels or {}).items():
-            if level not in LEVELS:
-                raise ClusterConfigError(f"{where}: unknown level {level!r} under {kind}; use {LEVELS}")
+            if level not in (*LEVELS, FLAT):
+                raise ClusterConfigError(
+                    f"{where}: unknown level {level!r} under {kind}; use {', '.join((*LEVELS, FLAT))}"
+                )
             tables[(kind, level)] = BandwidthTable.from_rows(rows, f"{where}: bandwidth.{kind}.{level}")
     missing = [f"{k}.{lv}" for k in KINDS for lv in LEVELS if (k, lv) not in tables]
     if missing:
         raise ClusterConfigError(f"{where}: no bandwidth table for {', '.join(missing)}")
+    flat_ring = _flat_ring(values.get("flat_ring"), any(level == FLAT for _, level in tables), where)
     try:
         fraction = float(overlap.get("reduction_fraction", 0.5))
         interference = float(overlap.get("interference", 0.0))
@@ -316,7 +327,20 @@ def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> Clust
         pass_bandwidth=passes["bandwidth_gbps"] * GB if passes else 0.0,
         step_overhead=passes["step_overhead_ms"] * 1e-3 if passes else 0.0,
         matmul_rates=_matmul_rates(device.get("matmul_rates"), f"{where}: device.matmul_rates"),
+        flat_ring=flat_ring,
     )
+
+
+def _flat_ring(section: Any, has_tables: bool, where: str) -> tuple[int, int] | None:
+    if section is None and not has_tables:
+        return None
+    if not isinstance(section, Mapping) or not has_tables:
+        raise ClusterConfigError(
+            f"{where}: `flat` bandwidth tables and `flat_ring: {{devices: N, nodes: M}}` (the ring they "
+            "were measured over) come together"
+        )
+    devices, nodes = (int(_number(section, key, f"{where}: flat_ring")) for key in ("devices", "nodes"))
+    return devices, nodes
 
 
 def _matmul_rates(section: Any, where: str) -> dict[str, BandwidthTable] | None:

@@ -4,10 +4,12 @@ The run first profiles this machine (`amsp-jax profile`, written beside the resu
 model (`amsp_jax.timing.estimate`) prices every plan with what the machine measures now: the same
 development VM measured 57 GFLOP/s of fp32 matmuls one day and 31 the next, and a config profiled
 on another day predicts that day. `--no-profile --cluster-config NAME` prices with a stored config
-instead. For each model size every configuration is compiled, its step time predicted and measured: rounds of
-(fresh state, one warm-up step, timed steps for at least `--min-seconds`) over all
-configurations, each round starting one place later, so a slow spell of a shared machine hits
-them alike. Reported per model, for each configuration's median step and for its fastest one (a
+instead. For each model size every configuration is compiled, its step time predicted and
+measured: rounds of (one untimed step, then timed steps for at least `--min-seconds`, on a state each
+configuration keeps from round to round) over all configurations, each round starting one place
+later, so a slow spell of a shared machine hits them alike; how well the first half of the rounds
+orders the configurations like the second is reported as the run's repeatability. Reported per
+model, for each configuration's median step and for its fastest one (a
 shared machine's interference only ever slows a step, so the fastest is the least disturbed; where the
 planner's choice is also another row, the two timings of one program show which resolves better):
 predicted beside measured, their ratio, Spearman's rank correlation, and the planner's choice against
@@ -52,6 +54,9 @@ MODELS = {
         32,
     ),
 }  # fmt: skip
+
+
+RUN_ONLY = ("trainer", "compiled", "batch", "state")  # a row's objects of the run, not in its JSON
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -104,13 +109,17 @@ def run_model(name: str, args: argparse.Namespace, say) -> dict:
         compiled = trainer.compile(trainer.abstract_state(), jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch))  # fmt: skip
         rows.append({"name": label, "plan": plan.describe(), "trainer": trainer, "compiled": compiled,
-                     "batch": batch, "predicted_s": estimate.time.step_s, "times": []})  # fmt: skip
+                     "batch": batch, "predicted_s": estimate.time.step_s, "times": [],
+                     "rounds": []})  # fmt: skip
     say(f"{name}: compiled {len(rows)} configurations")
+    # Each configuration keeps its state between rounds (a fresh init every round cost seconds per
+    # configuration, more than its timed steps); one untimed step after each switch.
+    for row in rows:
+        row["state"] = row["trainer"].init(key, host_batch["inputs"])
     for round_ in range(args.rounds):
         shift = round_ % len(rows)
         for row in rows[shift:] + rows[:shift]:
-            state = row["trainer"].init(key, host_batch["inputs"])
-            state, metrics = row["compiled"](state, row["batch"])
+            state, metrics = row["compiled"](row["state"], row["batch"])
             jax.block_until_ready(metrics)
             # Short steps get more repeats: a fixed count of 50 ms steps is at the mercy of one slow one.
             spent, timed = 0.0, 0
@@ -119,8 +128,9 @@ def run_model(name: str, args: argparse.Namespace, say) -> dict:
                 state, metrics = row["compiled"](state, row["batch"])
                 jax.block_until_ready((state, metrics))
                 row["times"].append(time.perf_counter() - start)
+                row["rounds"].append(round_)
                 spent, timed = spent + row["times"][-1], timed + 1
-            del state
+            row["state"] = state
         say(f"  round {round_ + 1}/{args.rounds} done")
     for row in rows:
         row["measured_s"] = statistics.median(row["times"])
@@ -142,10 +152,21 @@ def run_model(name: str, args: argparse.Namespace, say) -> dict:
         "model": name,
         "parameters": config.num_params(),
         "seq_len": seq_len,
+        "repeatability": repeatability(rows, args.rounds),
         **summary("measured_s", "ratio"),
         "least": summary("least_s", "least_ratio"),
-        "rows": [{k: v for k, v in r.items() if k not in ("trainer", "compiled", "batch")} for r in rows],
+        "rows": [{k: v for k, v in r.items() if k not in RUN_ONLY} for r in rows],
     }
+
+
+def repeatability(rows: list[dict], rounds: int) -> float:
+    """Spearman between the medians of the first and the second half of the rounds: how well this run's
+    measured order repeats itself, the most a predicted order can be expected to match."""
+    def half(first: bool) -> list[float]:
+        pairs = [zip(row["times"], row["rounds"], strict=True) for row in rows]
+        return [statistics.median(t for t, r in timed if (r < rounds // 2) == first) for timed in pairs]
+
+    return spearman(half(True), half(False))
 
 
 def resolution(rows: list[dict]) -> list[str]:
@@ -186,6 +207,8 @@ def write(results: list[dict], out: Path, command: str, hardware: str, seconds: 
                 f"{s['within']:.0%}; the planner's choice ran {s['chosen_vs_fastest']:.2f}x the fastest.\n"
                 for label, s in (("Medians", model), ("Fastest steps", model["least"]))
             ),
+            f"Repeatability: the medians of the first and the second half of the rounds order the "
+            f"configurations alike at Spearman {model['repeatability']:.2f}.\n",
             *resolution(model["rows"]),
             "| configuration | plan | predicted (s) | measured median (s) | fastest step (s) | "
             "predicted / median | predicted / fastest |",
@@ -228,10 +251,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--cluster-config", default="cpu-sim", help="the config used with --no-profile")
     parser.add_argument("--random", type=int, default=6, help="random valid strategies per model")
-    # Many short rounds: each configuration is timed across the machine's slow and fast phases (with
-    # 3 rounds of 1 s the 0.8M model's measured order repeated between runs at Spearman 0.86; with
-    # 12 of 0.25 s at 0.95).
-    parser.add_argument("--rounds", type=int, default=12)
+    # Many short rounds: each configuration is timed across the machine's slow and fast phases. With a
+    # fresh state every round, the two halves of a 12-round run of the 0.8M model ordered it alike at
+    # Spearman 0.73 only; keeping the states, the halves of a 48-round run agree at 0.94.
+    parser.add_argument("--rounds", type=int, default=24)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per configuration and round")
     parser.add_argument(
         "--min-seconds", type=float, default=0.25, help="time at least this long per configuration and round"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from amsp_jax.cli import main
-from amsp_jax.cluster_config import KINDS, LEVELS, MATMUL_DTYPES, load
+from amsp_jax.cluster_config import FLAT, KINDS, LEVELS, MATMUL_DTYPES, load
 from amsp_jax.commands import probe
 
 AMSP = [
@@ -82,8 +82,9 @@ def test_profile_writes_a_cluster_config_the_planner_reads(tmp_path, capsys):
     config = load(out)
     assert (config.nodes, config.devices_per_node) == (2, 4)
     for kind in KINDS:
-        for level in LEVELS:
+        for level in (*LEVELS, FLAT):
             assert config.bandwidth[(kind, level)].sizes == (4096.0, 16384.0)
+    assert config.flat_ring == (8, 2)  # one ring over both simulated nodes
     assert config.peak_flops > 0 and config.collective_min_itemsize == 4
     # The matmul sweep over tokens, per compute dtype: slower over 2 tokens than over 2048.
     for dtype in MATMUL_DTYPES:

@@ -61,6 +61,26 @@ def test_collective_time_is_per_device_bytes_over_bus_bandwidth():
     assert config.collective_time("all-reduce", "inter", size, executions) == pytest.approx(expected)
 
 
+def test_a_measured_flat_ring_prices_flat_collectives_of_its_shape_only():
+    values = yaml.safe_load(Path("configs/clusters/cpu-sim.yaml").read_text())
+    slow = [[4096, 0.001], [2**24, 0.01]]  # far below the intra and inter tables
+    for kind in KINDS:
+        values["bandwidth"][kind]["flat"] = slow
+    with pytest.raises(ClusterConfigError, match="flat_ring"):
+        from_dict(values)
+    values["flat_ring"] = {"devices": 8, "nodes": 2}
+    config, formula = from_dict(values), load("configs/clusters/cpu-sim.yaml")
+    size = 2**25  # above the table: its last bandwidth
+    for kind in KINDS:
+        measured = config.collective_time(kind, "inter", size, 1, 8, 2)
+        assert measured == pytest.approx(size / (0.01 * 1e9)) and measured > formula.collective_time(
+            kind, "inter", size, 1, 8, 2
+        )
+        # Other shapes, and collectives within one level, keep the tables of their levels.
+        for args in (("inter", size, 1, 16, 2), ("inter", size, 1, 2, 2), ("intra", size, 1, 4, 1)):
+            assert config.collective_time(kind, *args) == formula.collective_time(kind, *args)
+
+
 def test_traffic_regroups_exactly_the_cost_models_bytes():
     workload = llama_workload(MODEL, 32, 2, 3, remat="full")
     axes = plan_axes(CLUSTER, Strategy.parse("p=2x1,g=4x1,os=4x2"))

@@ -2,14 +2,17 @@
 
 Each collective runs in a `jax.shard_map` over a 2-axis mesh (nodes × devices per node): over the
 `intra` axis for the intra-node table and over the `inter` axis for the inter-node one, all groups
-at once, as in the step. A message size is the bytes one device sends in one collective (the x-axis
-of `amsp_jax.cluster_config`), so the buffer of an all-gather or reduce-scatter over n devices is
+at once, as in the step; with several nodes of several devices, also over both axes as one ring (the
+`flat` table: a flat collective across nodes, which the step issues where the plan says so). A
+message size is the bytes one device sends in one collective (the x-axis of
+`amsp_jax.cluster_config`), so the buffer of an all-gather or reduce-scatter over n devices is
 size·n/(n−1) and that of an all-reduce size·n/(2(n−1)); the bus bandwidth is size / time.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -17,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from amsp_jax.cluster_config import KINDS, LEVELS, MATMUL_DTYPES, format_size, load, parse_size
+from amsp_jax.cluster_config import FLAT, KINDS, LEVELS, MATMUL_DTYPES, format_size, load, parse_size
 
 DEFAULT_SIZES = "64KiB,1MiB,16MiB"
 
@@ -73,14 +76,17 @@ def _shape(devices: list, nodes: int | None) -> tuple[int, int]:
     return detected.nodes, detected.devices_per_node
 
 
-def measure_collective(mesh: object, kind: str, axis: str, size: float, repeats: int) -> float:
-    """Bus bandwidth (bytes/s) of `kind` over mesh axis `axis` when each device sends `size` bytes."""
+def measure_collective(
+    mesh: object, kind: str, axis: str | tuple[str, ...], size: float, repeats: int
+) -> float:
+    """Bus bandwidth (bytes/s) of `kind` over mesh axis `axis` (or several, as one group) when each
+    device sends `size` bytes."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    n = mesh.shape[axis]
+    n = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
     buffer = size * n / (2 * (n - 1) if kind == "all-reduce" else (n - 1))
     elements = max(n, int(buffer // 4) // n * n)
     per_device = elements // n if kind == "all-gather" else elements
@@ -192,6 +198,12 @@ def run(args: argparse.Namespace) -> int:
                 rows = tables.get(kind, {}).get(other) or [(s, 1e9) for s in sizes]
                 notes[level] = f"not measured (one device per group): copied from {other}"
             tables.setdefault(kind, {})[level] = rows
+        if nodes > 1 and per_node > 1:
+            whole = ("inter", "intra")
+            tables[kind][FLAT] = [
+                (size, measure_collective(mesh, kind, whole, size, args.repeats)) for size in sizes
+            ]
+            notes[FLAT] = f"measured over all {nodes * per_node} devices in one ring"
     flops, hbm, matmuls = measure_compute(devices, args.repeats)
     memory, memory_source = _device_memory(devices[0], len(devices) // max(1, jax.process_count()))
     platform = devices[0].platform
@@ -231,9 +243,16 @@ def run(args: argparse.Namespace) -> int:
     ]
     for kind in KINDS:
         lines.append(f"  {kind}:")
-        for level in LEVELS:
+        for level in tables[kind]:
             lines.append(f"    {level}:     # {notes[level]}")
             lines += [f"      - [{format_size(size)}, {bw / 1e9:.4g}]" for size, bw in tables[kind][level]]
+    if FLAT in notes:
+        lines += [
+            "flat_ring:     # the ring of the `flat` tables: a flat collective over this many devices on",
+            "               # this many nodes is priced from them (amsp_jax/cluster_config.py)",
+            f"  devices: {nodes * per_node}",
+            f"  nodes: {nodes}",
+        ]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
