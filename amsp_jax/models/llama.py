@@ -202,8 +202,9 @@ def embedding_lookup(table_VD: jax.Array, tokens_BT: jax.Array) -> jax.Array:
     The gradient of a plain `jnp.take` is a scatter-add into zeros that XLA's schedulers create at the
     start of the step, so a vocab x dim buffer is held through the whole forward (the 100M benchmark
     model's zero3 step on CPU: 48 MiB of it at the step's peak, with the gathered embedding and output
-    projection). Routing the zero through an optimisation barrier with the cotangent ties its broadcast
-    to the backward.
+    projection). Here the zero is computed from the cotangent's first element (`isnan(x) * 0`, exactly
+    0 whatever x is), so no scheduler can create the buffer before the backward reaches the lookup; an
+    optimisation barrier would not do it, since XLA:CPU removes barriers before it schedules.
     """
     return jnp.take(table_VD, tokens_BT, axis=0)
 
