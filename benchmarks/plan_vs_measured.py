@@ -262,6 +262,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results"))
     args = parser.parse_args()
+    if args.rounds < 2:
+        parser.error("--rounds must be at least 2: the run's repeatability compares its two halves")
     start = time.perf_counter()
     args.hardware = args.cluster_config
     if args.profile:
