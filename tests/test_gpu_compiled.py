@@ -103,19 +103,18 @@ def _nonzero(totals: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
 
 
 # Plans whose compiled bytes equal the prediction per kind and level (bf16 on the wire: mixed precision).
-EXACT = [
-    ("h100-sxm", "zero3", 1),
-    ("h100-sxm", "zero3", 3),
-    ("h100-sxm", "zero1", 3),
-    ("a100-sxm-80", "p=2x1,g=8x1,os=8x2", 1),
-]
-# Every preset at M = 1 and 3, and placements that are none of them.
-SWEEP = [("h100-sxm", name, 3) for name in sorted(PRESETS) if name not in ("zero1", "zero3")] + [
-    ("a100-sxm-80", name, 1) for name in sorted(PRESETS) if name != "zero3"
-] + [
+EXACT = [("h100-sxm", "zero3", 3), ("h100-sxm", "zero1", 3)]
+# With the plans of the memory test (which checks their bytes too), every preset at M = 1 and 3 and
+# six placements that are none of them.
+SWEEP = [
+    ("h100-sxm", "ddp", 3),
+    ("h100-sxm", "zero2", 3),
+    ("h100-sxm", "hsdp", 3),
+    ("a100-sxm-80", "zero1", 1),
+    ("a100-sxm-80", "mics", 1),
+    ("a100-sxm-80", "hsdp", 1),
     ("h100-sxm", "p=1x1,g=8x1,os=8x2", 3),
     ("h100-sxm", "p=8x1,g=8x2,os=8x2", 3),
-    ("a100-sxm-80", "p=4x1,g=4x1,os=8x1", 1),
     ("a100-sxm-80", "p=2x1,g=2x1,os=8x1", 3),
     ("a100-sxm-80", "p=1x1,g=4x1,os=8x2", 1),
 ]
@@ -170,7 +169,7 @@ MEMORY_PLANS = [
 @needs_compiler
 @pytest.mark.slow
 @pytest.mark.parametrize(("target", "strategy", "micro_batches", "remat"), MEMORY_PLANS)
-def test_compiled_memory_within_ten_percent_of_predicted(target, strategy, micro_batches, remat):
+def test_compiled_memory_within_ten_percent_and_bytes_equal(target, strategy, micro_batches, remat):
     cluster = Cluster.detect(devices(target))
     chosen = preset(strategy, cluster) if strategy in PRESETS else Strategy.parse(strategy)
     plan = Plan(cluster, chosen, micro_batches, precision="mixed", remat=remat)
@@ -180,6 +179,7 @@ def test_compiled_memory_within_ten_percent_of_predicted(target, strategy, micro
     tokens = jax.ShapeDtypeStruct((cluster.num_devices * micro_batches, WIDE.max_seq_len), jnp.int32)
     r = audit.audit_trainer(trainer, {"inputs": tokens, "targets": tokens}, cost.llama_dims(WIDE))
     assert abs(r.memory_ratio - 1) <= 0.10, r.table()
+    _check_bytes(r)
 
 
 # XLA unrolls this small model's micro-batch loop entirely at M = 3 (and the layer loops in it); at 4 it
@@ -223,9 +223,14 @@ def test_every_looped_layer_collective_has_compute_between_start_and_done():
     # The issue's target. With the scan's checkpoint free of its CSE barrier, XLA's collective pipeliner
     # moves the backward re-gather into the previous iteration as it does the forward gather (LLaMA-7B
     # to 65B at 1,024 A100s: 92-93 % of per-layer bytes hidden). Here 24 of the 40 looped collectives
-    # are (the width-1024 model of the memory test: 26 of 42). Of the 40, 24 sit in the layer loops'
-    # bodies and 20 of those are hidden; the 4 that are not are backward re-gathers with only
-    # elementwise kernels between start and done (so with flat collectives too: not the split's chain).
+    # are. Of the 40, 24 sit in the layer loops' bodies and 20 of those are hidden. XLA:GPU issues
+    # every collective on one stream and its scheduler keeps one in flight at a time, so in a backward
+    # layer the re-gather and the gradient reduce-scatter share the layer's gemms; at width 64 its
+    # latency estimates put each collective above all of them, and it gives them all to one (the
+    # re-gathers go without, with flat collectives too). On the width-1024 model of the memory test
+    # every collective in the bodies is hidden with flat collectives; with split ones the second stage
+    # of the reduce-scatter is not (XLA's speed-of-light estimator hides those too, but at 1,024 A100s
+    # it hides 67-70 % of zero3's and mics's per-layer bytes against 92-99 %, so it is not used).
     # The other 16 are the pipeline's fill and drain, which XLA's pipeliner peels out of the layer
     # loops into the micro-batch loop (the first layers' gathers, the last layers' gradient
     # reduce-scatters, 4 hidden): with 4 layers they are 40 % of the looped collectives, at 7B's 32
