@@ -96,11 +96,18 @@ def train(model, batches, strategy, micro_batches, **trainer_args):
     return trainer, state, losses
 
 
+# zero3 for every style; the two other placements, with micro-batches, each for a style of unstacked
+# blocks and one of stacked ones.
+STYLE_PLANS = [("zero3", 1, style) for style in STYLES] + [
+    ("mics", 3, "loop"),
+    ("mics", 3, "nnx list"),
+    ("p=2x1,g=4x1,os=4x2", 3, "scan"),
+    ("p=2x1,g=4x1,os=4x2", 3, "nnx scan"),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("style", STYLES)
-@pytest.mark.parametrize(
-    ("strategy", "micro_batches"), [("zero3", 1), ("p=2x1,g=4x1,os=4x2", 3), ("mics", 3)]
-)
+@pytest.mark.parametrize(("strategy", "micro_batches", "style"), STYLE_PLANS)
 def test_style_trains_like_the_single_device_reference(style, strategy, micro_batches):
     model = model_zoo.model(style)
     batches = data()
