@@ -90,6 +90,27 @@ def train_data() -> list[dict[str, np.ndarray]]:
 
 
 @functools.cache
+def set_up(
+    strategy: str,
+    micro_batches: int,
+    precision: str = "fp32",
+    remat: str = "full",
+    layers: int = TINY.n_layers,
+    prefetch: bool | None = None,
+) -> aj.Trainer:
+    """The set-up trainer of the tiny model (with `layers` layers) under a plan; cached, so that the
+    step and audit tests of a plan share it and its one compile."""
+    model = Llama(dataclasses.replace(TINY, n_layers=layers))
+    plan = aj.Plan(
+        CLUSTER, aj.resolve(strategy, CLUSTER), micro_batches, precision=precision, remat=remat,
+        prefetch=prefetch,
+    )  # fmt: skip
+    trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model))
+    trainer.setup(jax.random.key(0), train_data()[0]["inputs"])
+    return trainer
+
+
+@functools.cache
 def trained(
     strategy: str,
     micro_batches: int,
@@ -98,14 +119,8 @@ def trained(
     layers: int = TINY.n_layers,
     prefetch: bool | None = None,
 ) -> tuple:
-    """(trainer, final state, losses) of `STEPS` steps of the tiny model (with `layers` layers); cached
-    so the step and audit tests share one compile per plan."""
-    model = Llama(dataclasses.replace(TINY, n_layers=layers))
-    plan = aj.Plan(
-        CLUSTER, aj.resolve(strategy, CLUSTER), micro_batches, precision=precision, remat=remat,
-        prefetch=prefetch,
-    )  # fmt: skip
-    trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model))
+    """(trainer, final state, losses) of `STEPS` steps of `set_up`'s trainer; cached."""
+    trainer = set_up(strategy, micro_batches, precision, remat, layers, prefetch)
     data = train_data()
     state = trainer.init(jax.random.key(0), data[0]["inputs"])
     losses = []
