@@ -113,8 +113,9 @@ def test_audit_command_json_and_hlo_dump(tmp_path):
     hlo_file = tmp_path / "step.hlo"
     result = subprocess.run(
         [sys.executable, "-m", "amsp_jax.cli", "audit", "--model", "configs/models/tiny.yaml",
-         "--nodes", "2", "--devices-per-node", "4", "--strategy", "p=4x1,g=4x1,os=4x2",
-         "--micro-batches", "2", "--seq-len", "16", "--json", "--dump-hlo", str(hlo_file)],
+         "--nodes", "2", "--devices-per-node", "4", "--strategy", "p=4x2,g=4x1,os=4x2",
+         "--micro-batches", "2", "--seq-len", "16", "--flat-collectives", "--json",
+         "--dump-hlo", str(hlo_file)],
         capture_output=True, text=True, check=False, env=child_env(None),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -122,4 +123,7 @@ def test_audit_command_json_and_hlo_dump(tmp_path):
     assert data["match"] is True
     assert data["predicted"]["bytes_per_device"] == data["measured"]["bytes_per_device"]
     assert data["measured"]["bytes_per_device"]["inter"] > 0
+    # Flat: P's gathers over both nodes are one ring of all 8 devices, not a gather per level.
+    gathers = {c["group_size"] for c in data["measured"]["collectives"] if c["kind"] == "all-gather"}
+    assert gathers == {8}
     assert hlo_file.read_text().startswith("HloModule")

@@ -57,6 +57,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="GiB per device the step may use; on GPU XLA's scheduler is given the same budget "
         "(without one it plans for about 76%% of the device)",
     )
+    parser.add_argument(
+        "--flat-collectives",
+        action="store_true",
+        help="one ring over a group that spans nodes, instead of a collective per level (the default)",
+    )
+    parser.add_argument(
+        "--prefetch",
+        choices=["auto", "loop", "none"],
+        default="auto",
+        help="auto: the checkpointed layer scan; loop: the explicit-prefetch loop; none: no gathering ahead",
+    )
     parser.add_argument("--allow-partial-nodes", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--dump-hlo", metavar="FILE", help="write the compiled program's HLO text here")
@@ -92,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
         precision=args.precision,
         remat=args.remat,
         allow_partial_nodes=args.allow_partial_nodes,
+        hierarchical=not args.flat_collectives,
+        prefetch={"auto": None, "loop": True, "none": False}[args.prefetch],
         memory_limit=None if args.memory_limit is None else args.memory_limit * 2**30,
     )
     model = Llama(config)
