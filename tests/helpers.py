@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import numpy as np
@@ -111,16 +112,10 @@ def set_up(
 
 
 @functools.cache
-def trained(
-    strategy: str,
-    micro_batches: int,
-    precision: str = "fp32",
-    remat: str = "full",
-    layers: int = TINY.n_layers,
-    prefetch: bool | None = None,
-) -> tuple:
-    """(trainer, final state, losses) of `STEPS` steps of `set_up`'s trainer; cached."""
-    trainer = set_up(strategy, micro_batches, precision, remat, layers, prefetch)
+def trained(strategy: str, micro_batches: int, **options: Any) -> tuple:
+    """(trainer, final state, losses) of `STEPS` steps of the trainer `set_up` gives for the same
+    arguments; cached."""
+    trainer = set_up(strategy, micro_batches, **options)
     data = train_data()
     state = trainer.init(jax.random.key(0), data[0]["inputs"])
     losses = []
