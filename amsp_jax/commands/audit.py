@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefetch",
         choices=["auto", "loop", "none"],
         default="auto",
-        help="auto: the checkpointed layer scan; loop: the explicit-prefetch loop; none: no gathering ahead",
+        help="auto: the checkpointed layer scan; loop: the explicit-prefetch loop where it applies (one "
+        "micro-batch, --remat full, enough layers; else the scan); none: no gathering ahead",
     )
     parser.add_argument("--allow-partial-nodes", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
