@@ -57,6 +57,14 @@ class Measured:
                 totals.setdefault(c.kind, {"intra": 0, "inter": 0})[level] += size
         return totals
 
+    def launches_by_kind_and_level(self) -> dict[str, dict[str, int]]:
+        """{kind: {intra, inter}} collectives issued per step (loop trip counts applied), scalars left out."""
+        totals: dict[str, dict[str, int]] = {}
+        for c, level in self.model_state_collectives():
+            if hlo.bytes_per_device(c):
+                totals.setdefault(c.kind, {"intra": 0, "inter": 0})[level] += c.trip_count
+        return totals
+
     def bytes_by_level(self) -> dict[str, int]:
         """{intra, inter} per device per step, scalars left out."""
         totals = {"intra": 0, "inter": 0}
@@ -173,6 +181,13 @@ class Report:
             self.measured.bytes_by_kind_and_level()
         )
 
+    def predicted_launches(self) -> dict[str, dict[str, int]]:
+        """{kind: {intra, inter}} collectives the time model expects XLA to issue per step."""
+        totals: dict[str, dict[str, int]] = {}
+        for t in self.predicted.transfers:
+            totals.setdefault(t.kind, {"intra": 0, "inter": 0})[t.level] += t.executions
+        return totals
+
     @property
     def memory_ratio(self) -> float:
         """Compiled ÷ predicted memory per device."""
@@ -190,11 +205,13 @@ class Report:
             "predicted": {
                 "bytes_per_device": self.predicted.bytes_by_level(),
                 "by_kind": self.predicted.bytes_by_kind_and_level(),
+                "launches_by_kind": self.predicted_launches(),
                 "phases": [dataclasses.asdict(t) for t in self.predicted.transfers],
             },
             "measured": {
                 "bytes_per_device": self.measured.bytes_by_level(),
                 "by_kind": self.measured.bytes_by_kind_and_level(),
+                "launches_by_kind": self.measured.launches_by_kind_and_level(),
                 "scalar_reduction_bytes": self.measured.scalar_bytes(),
                 "collectives": [
                     {
@@ -248,19 +265,25 @@ class Report:
             self.predicted.bytes_by_kind_and_level(),
             self.measured.bytes_by_kind_and_level(),
         )
+        launched, issued = self.predicted_launches(), self.measured.launches_by_kind_and_level()
         lines = [
             f"strategy {self.strategy}",
-            f"{'collective':<16}{'level':<7}{'predicted B':>14}{'measured B':>14}  ",
+            f"{'collective':<16}{'level':<7}{'predicted B':>14}{'measured B':>14}      "
+            f"{'issued: predicted':>18}{'compiled':>10}",
         ]
         for kind in sorted(set(predicted) | set(measured)):
             for level in ("intra", "inter"):
                 p = predicted.get(kind, {}).get(level, 0)
                 m = measured.get(kind, {}).get(level, 0)
                 if p or m:
-                    lines.append(f"{kind:<16}{level:<7}{p:>14,}{m:>14,}  {'ok' if p == m else 'DIFFERS'}")
+                    lines.append(
+                        f"{kind:<16}{level:<7}{p:>14,}{m:>14,}  {'ok' if p == m else 'DIFFERS':<8}"
+                        f"{launched.get(kind, {}).get(level, 0):>14,}"
+                        f"{issued.get(kind, {}).get(level, 0):>10,}"
+                    )
         lines.append("phases (predicted):")
         for t in self.predicted.transfers:
-            lines.append(f"  {t.phase:<40}{t.kind:<16}{t.level:<7}{t.bytes:>14,}  x{t.executions}")
+            lines.append(f"  {t.phase:<40}{t.kind:<16}{t.level:<7}{t.bytes:>14,}  {t.executions} issued")
         mem = self.predicted.memory
         peaks = ", ".join(f"{name} {mem.peak(name):,}" for name in cost.PEAKS)
         lines.append(
@@ -307,6 +330,7 @@ def workload_of(trainer: Any, batch: Any, dims: cost.ModelDims) -> cost.Workload
         cost.LeafShape(
             path, leaf.shape, layout.stack_of(path) is not None, layout.per_layer(path),
             path not in layout.backward_unused, path in layout.frozen,
+            layout.stack_of(path) or layout.block_of(path),
         )
         for path, leaf in layout.leaves.items()
     )
@@ -327,6 +351,7 @@ def workload_of(trainer: Any, batch: Any, dims: cost.ModelDims) -> cost.Workload
         implementation=plan.implementation,
         optimizer=optimizer_cost.describe(trainer.optimizer, master),
         update_in_place=selects_in_place(trainer.layout.platform),
+        platform=trainer.layout.platform,
     )
 
 

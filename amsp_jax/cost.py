@@ -44,11 +44,17 @@ class LeafShape:
     per_layer: bool | None = None  # gathered one layer at a time; None: when stacked
     regathered: bool = True  # gathered again in the backward pass (False: the backward never reads it)
     frozen: bool = False  # not trained: no gradient, no optimizer state, never refreshed
+    unit: tuple[str, ...] | None = None  # the stack or block a per-layer leaf is gathered with
 
     @property
     def size(self) -> int:
         """Elements of the whole leaf."""
         return math.prod(self.shape)
+
+    @property
+    def layer_size(self) -> int:
+        """Elements of one layer of a stacked leaf (of the leaf otherwise)."""
+        return self.size // self.shape[0] if self.stacked else self.size
 
 
 def looped_blocks(leaves: Iterable[LeafShape]) -> bool:
@@ -102,6 +108,24 @@ class Workload:
     # Whether XLA writes the new master and moments over the old (`amsp_jax.xla.selects_in_place`: GPU
     # yes; XLA:CPU builds the new state beside the old).
     update_in_place: bool = True
+    # The backend the step compiles for: which collectives XLA merges (`schedule.launches`).
+    platform: str = "gpu"
+
+    @property
+    def largest_gather_bytes(self) -> int:
+        """Bytes of the step's largest single gather (`schedule.largest_gather_bytes`)."""
+        units = ((leaf.unit or leaf.path) if self.per_layer(leaf) else None for leaf in self.leaves)
+        sizes = (leaf.layer_size for leaf in self.leaves)
+        return schedule.largest_gather_bytes(zip(units, sizes, strict=True), self.precision.param_bytes)
+
+    @staticmethod
+    def per_layer(leaf: LeafShape) -> bool:
+        """Whether the step gathers `leaf` one layer at a time."""
+        return leaf.stacked if leaf.per_layer is None else leaf.per_layer
+
+    def launches(self, ops: Iterable[tuple[int, Op]]) -> int:
+        """Collectives XLA issues per step for `(copies, op)` pairs (`schedule.launches`)."""
+        return schedule.launches(ops, self.platform, self.largest_gather_bytes)
 
     def wire_bytes(self, itemsize: int) -> int:
         """Bytes per element on the wire for a tensor of `itemsize`."""
@@ -180,7 +204,7 @@ def llama_workload(
     c = config
     leaves = [LeafShape(("embed",), (c.vocab_size, c.dim), False)]
     leaves += [
-        LeafShape(("layers", "layer", name), (c.n_layers, *shape), True)
+        LeafShape(("layers", "layer", name), (c.n_layers, *shape), True, unit=("layers",))
         for name, shape in c.layer_shapes().items()
     ]
     leaves.append(LeafShape(("norm",), (c.dim,), False))
@@ -235,6 +259,7 @@ def schedule_leaf(axes: AxisPlan, workload: Workload, leaf: LeafShape) -> LeafSc
         axes, leaf.path, leaf.shape, leaf.stacked, workload.micro_batches, workload.remat,
         workload.precision.param_bytes, workload.precision.reduce_bytes, workload.implementation,
         leaf.per_layer, leaf.regathered, leaf.frozen, not workload.optimizer.communicates_on(leaf.path),
+        leaf.unit,
     )  # fmt: skip
 
 
@@ -249,22 +274,30 @@ def leaf_transfers(axes: AxisPlan, workload: Workload, leaf: LeafShape) -> list[
     return [transfer(op, workload) for op in leaf_ops(axes, workload, leaf)]
 
 
+def issued(ops: Iterable[tuple[int, Op]], workload: Workload, phase: str | None = None) -> list[Transfer]:
+    """`(copies, op)` pairs as transfers by (phase, kind, level, group size, nodes): bytes summed, and
+    executions the collectives XLA issues for them (`Workload.launches`). `phase` names every transfer
+    by one group instead of its ops' phases."""
+    merged: dict[tuple[str, str, str, int, int], list[tuple[int, Op]]] = defaultdict(list)
+    for copies, op in ops:
+        merged[(phase or op.phase, op.kind, op.level, op.group, op.nodes)].append((copies, op))
+    found = []
+    for (name, kind, level, group, nodes), items in merged.items():
+        size = sum(copies * transfer(op, workload).bytes for copies, op in items)
+        if size:
+            found.append(Transfer(name, kind, level, size, workload.launches(items), group, nodes))
+    return found
+
+
 def communication(axes: AxisPlan, workload: Workload) -> list[Transfer]:
-    """Per-device bytes of every phase, merged by (phase, kind, level, group size, nodes)."""
-    merged: dict[tuple[str, str, str, int, int], list[int]] = defaultdict(lambda: [0, 0])
-    for leaf in workload.leaves:
-        for t in leaf_transfers(axes, workload, leaf):
-            entry = merged[(t.phase, t.kind, t.level, t.group, t.nodes)]
-            entry[0] += t.bytes
-            entry[1] += t.executions
+    """Per-device bytes of every phase, merged by (phase, kind, level, group size, nodes), with the
+    collectives XLA issues for them."""
     order = {p: i for i, p in enumerate(PHASES)}
-    return [
-        Transfer(phase, kind, level, size, count, group, nodes)
-        for (phase, kind, level, group, nodes), (size, count) in sorted(
-            merged.items(), key=lambda kv: (order[kv[0][0]], kv[0][1:])
-        )
-        if size
-    ]
+    ops = [(1, op) for leaf in workload.leaves for op in leaf_ops(axes, workload, leaf)]
+    return sorted(
+        issued(ops, workload),
+        key=lambda t: (order[t.phase], t.kind, t.level, t.group, t.nodes),
+    )
 
 
 def bytes_by_kind_and_level(transfers: Iterable[Transfer]) -> dict[str, dict[str, int]]:

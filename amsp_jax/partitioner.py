@@ -48,10 +48,10 @@ import pulp
 from amsp_jax import config_files, optimizer_cost, timing
 from amsp_jax.cluster_config import ClusterConfig, for_cluster
 from amsp_jax.cluster_config import load as load_cluster
-from amsp_jax.cost import Transfer, Workload, leaf_transfers, llama_workload, looped_blocks, memory
+from amsp_jax.cost import Workload, leaf_ops, llama_workload, looped_blocks, memory
 from amsp_jax.models.llama import LlamaConfig, ModelConfigError, muon_dimension_numbers
 from amsp_jax.plan import REMAT_POLICIES, Plan, Precision
-from amsp_jax.schedule import UPDATE, Implementation, accumulates, params_from_master, uses_prefetch
+from amsp_jax.schedule import UPDATE, Implementation, Op, accumulates, params_from_master, uses_prefetch
 from amsp_jax.sharding import plan_axes, shard_dims
 from amsp_jax.space import Cluster, Placement, Strategy, preset
 from amsp_jax.workload import ModelSpec
@@ -123,6 +123,7 @@ class Request:
         return w.with_(
             min_collective_itemsize=self.cluster.collective_min_itemsize,
             update_in_place=selects_in_place(self.cluster.platform),
+            platform=self.cluster.platform,
             implementation=self.implementation,
             optimizer=_update_rules(
                 tuple((leaf.path, leaf.shape) for leaf in w.leaves),
@@ -294,8 +295,10 @@ class Terms:
         return {name: total + pair.get(name, 0.0) for name, total in peaks.items()}
 
 
-def _merge_time(parts: Iterable[tuple[int, Transfer]], group: str, cluster: ClusterConfig) -> float:
-    return sum(timing.transfer_time(t, cluster) for t in timing.merge(list(parts), group))
+def _merge_time(
+    parts: Iterable[tuple[int, Op]], group: str, workload: Workload, cluster: ClusterConfig
+) -> float:
+    return sum(timing.transfer_time(t, cluster) for t in timing.issue(list(parts), group, workload))
 
 
 def build_terms(request: Request) -> Terms:
@@ -327,17 +330,17 @@ def build_terms(request: Request) -> Terms:
             holder.setdefault((x, profile_of[t]), t)
     possible = frozenset(holder)
 
-    # Per-leaf transfers when split, from probes Strategy(x, x, o); and when not split, from DDP.
-    per_leaf: dict[tuple[Placement, Placement], list[dict[str, list[tuple[int, Transfer]]]]] = {}
+    # Per-leaf ops when split, from probes Strategy(x, x, o); and when not split, from DDP.
+    per_leaf: dict[tuple[Placement, Placement], list[dict[str, list[tuple[int, Op]]]]] = {}
 
-    def probe(x: Placement, o: Placement) -> list[dict[str, list[tuple[int, Transfer]]]]:
+    def probe(x: Placement, o: Placement) -> list[dict[str, list[tuple[int, Op]]]]:
         if (x, o) not in per_leaf:
             axes = plan_axes(cluster, Strategy(x, x, o))
             found = []
             for leaf, count in leaves:
-                groups: dict[str, list[tuple[int, Transfer]]] = {}
-                for t in leaf_transfers(axes, base, leaf):
-                    groups.setdefault(timing.group_of(t.phase, leaf.stacked), []).append((count, t))
+                groups: dict[str, list[tuple[int, Op]]] = {}
+                for op in leaf_ops(axes, base, leaf):
+                    groups.setdefault(timing.group_of(op.phase, leaf.stacked), []).append((count, op))
                 found.append(groups)
             per_leaf[(x, o)] = found
         return per_leaf[(x, o)]
@@ -350,7 +353,7 @@ def build_terms(request: Request) -> Terms:
         parts = itertools.chain.from_iterable(
             (split[i] if i in profiles[pi] else unsplit[i]).get(group, ()) for i in range(len(leaves))
         )
-        return _merge_time(parts, group, hardware)
+        return _merge_time(parts, group, base, hardware)
 
     p_time, g_time = {}, {}
     for x, pi in possible:

@@ -17,7 +17,8 @@ rules that decide what runs are here and nowhere else:
     all-reduce as reduce-scatter / all-reduce / all-gather), or flat over the whole group;
   - the G→OS reduction and the P refresh, by how the groups of G, OS and P nest;
   - how often each phase runs (per layer and micro-batch, once per step, hoisted out of the
-    micro-batch loop) and the bytes a device sends in each op (ring convention).
+    micro-batch loop) and the bytes a device sends in each op (ring convention);
+  - `launches`: how many collectives XLA issues for the ops, merging those that run together.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from amsp_jax.sharding import AxisPlan, LeafLayout, leaf_layout
 from amsp_jax.space import Strategy
+from amsp_jax.xla import combine_thresholds
 
 FORWARD_GATHER = "P gather, layers (forward)"
 BACKWARD_GATHER = "P re-gather, layers (backward)"
@@ -103,7 +105,9 @@ class Op:
     `elements` counts this device's input (for an all-gather: its block; for a reduce-scatter or an
     all-reduce: the full buffer). `dim` is the tensor dimension split or joined: of one layer's tensor
     in the per-layer phases of a layer stack, of the whole leaf in the once-per-step reduction and
-    refresh; None means the op runs on the flattened buffer (the hierarchical all-reduce).
+    refresh; None means the op runs on the flattened buffer (the hierarchical all-reduce). `unit`: the
+    layer group (a stack's or a block's path) whose layers the op runs with, for the per-layer ops;
+    None for ops that run with every leaf of their phase (`launches` merges by it).
     """
 
     phase: str
@@ -116,6 +120,7 @@ class Op:
     elements: int
     itemsize: int
     executions: int
+    unit: tuple[str, ...] | None = None
 
     def bytes_sent(self, min_itemsize: int = 1) -> int:
         """Bytes this device sends in one execution (nccl-tests ring convention)."""
@@ -126,6 +131,14 @@ class Op:
             return (self.group - 1) * size
         factor = 2 if self.kind == ALL_REDUCE else 1
         return -(-factor * (self.group - 1) * size // self.group)
+
+    @property
+    def result_bytes(self) -> int:
+        """Bytes of one execution's result on a device: what XLA's combiners compare with their threshold."""
+        size = self.elements * self.itemsize
+        if self.kind == ALL_GATHER:
+            return size * self.group
+        return size // self.group if self.kind == REDUCE_SCATTER else size
 
 
 # The dimension a collective splits or joins: one for every axis, or each axis its own (two-dimension splits).
@@ -145,6 +158,7 @@ def _level(axes: AxisPlan, group_axes: Sequence[str]) -> str:
 class _Builder:
     axes: AxisPlan
     hierarchical: bool
+    unit: tuple[str, ...] | None = None
 
     def op(
         self, phase: str, kind: str, group_axes: Sequence[str], dim: int | None, elements: int,
@@ -153,7 +167,7 @@ class _Builder:
         group_axes = tuple(group_axes)
         return Op(
             phase, kind, group_axes, self.axes.size(group_axes), nodes_spanned(self.axes, group_axes),
-            _level(self.axes, group_axes), dim, elements, itemsize, executions,
+            _level(self.axes, group_axes), dim, elements, itemsize, executions, self.unit,
         )  # fmt: skip
 
     def pieces(self, group_axes: Sequence[str], dims: Dims) -> list[tuple[tuple[str, ...], int]]:
@@ -257,6 +271,7 @@ def leaf_schedule(
     regathered: bool = True,
     frozen: bool = False,
     major_first: bool = True,
+    unit: tuple[str, ...] | None = None,
 ) -> LeafSchedule:
     """The collectives the step runs for one leaf, with their executions per step.
 
@@ -269,7 +284,8 @@ def leaf_schedule(
     reads (`regathered=False`, e.g. a bias added just before a residual sum) is not gathered again.
     A `frozen` leaf is gathered as any other but has no gradient: no reduce-scatter, no reduction onto
     OS, and no refresh in the step (its P never changes). `major_first`: how the leaf is split
-    (`sharding.shard_dims`).
+    (`sharding.shard_dims`). `unit`: the stack or block a per-layer leaf is gathered with (default: the
+    leaf alone), which `launches` merges by.
     """
     split = leaf_layout(axes, shape, stacked, major_first)
     build = _Builder(axes, implementation.hierarchical)
@@ -287,10 +303,11 @@ def leaf_schedule(
     p_block = layer_size // axes.size(p_axes)
     per_micro_batch = layers * micro_batches
     per_layer = stacked if per_layer is None else per_layer
+    layer_build = dataclasses.replace(build, unit=unit or tuple(path)) if per_layer else build
     if per_layer:
-        gather = build.all_gather(FORWARD_GATHER, p_axes, dim, p_block, param_itemsize, per_micro_batch)
+        gather = layer_build.all_gather(FORWARD_GATHER, p_axes, dim, p_block, param_itemsize, per_micro_batch)
         regather = (
-            build.all_gather(BACKWARD_GATHER, p_axes, dim, p_block, param_itemsize, per_micro_batch)
+            layer_build.all_gather(BACKWARD_GATHER, p_axes, dim, p_block, param_itemsize, per_micro_batch)
             if remat != "none" and regathered
             else []
         )
@@ -299,7 +316,9 @@ def leaf_schedule(
     grad_reduce = (
         []
         if frozen
-        else build.reduce_scatter(GRAD_REDUCE, g_axes, dim, layer_size, reduce_itemsize, per_micro_batch)
+        else layer_build.reduce_scatter(
+            GRAD_REDUCE, g_axes, dim, layer_size, reduce_itemsize, per_micro_batch
+        )
     )
 
     g_block = size // axes.size(g_axes)
@@ -356,9 +375,54 @@ class Schedule:
         return [op for leaf in self.leaves.values() for op in leaf.ops()]
 
 
+def launches(ops: Iterable[tuple[int, Op]], platform: str, layer_bytes: int) -> int:
+    """Collectives XLA issues per step for `ops` (each `(copies, op)`) on `platform`.
+
+    XLA's combiners merge independent collectives of one kind over one group of devices that become
+    ready together, up to a size (`xla.combine_thresholds`): here, the ops of one phase, kind and
+    group shape (devices, nodes) with the same executions and layer group (`Op.unit`): one layer's
+    gathers (or gradient reduce-scatters) per layer and micro-batch, the other leaves' together, a
+    once-per-step phase's together. Groups are told apart by shape, not by mesh axes, so that the
+    planner's placements priced one by one (`amsp_jax.partitioner`, on meshes of fewer axes) issue as
+    many as the whole strategy; two groups of one shape over different axes of one mesh (a leaf split
+    along two dimensions beside one split along one) count as one. A kind the platform does not merge
+    is issued once per op. Compiled for H100s (4-32
+    layers, every preset) XLA issues this many, less two gathers and at most one reduce-scatter per
+    micro-batch that it also merges at the turn from forward to backward (LLaMA-7B zero3 at 1,024
+    A100s: 63 all-gathers and 32 reduce-scatters per level, against 579 and 291 ops of leaves).
+    """
+    thresholds = combine_thresholds(platform, layer_bytes)
+    merged: dict[tuple[object, ...], list[int]] = {}
+    total = 0
+    for copies, op in ops:
+        threshold = thresholds.get(op.kind)
+        if threshold is None:
+            total += copies * op.executions
+            continue
+        # [executions, merged collectives, bytes in the last one]; packed in order, as the combiner does.
+        key = (op.phase, op.kind, op.group, op.nodes, op.unit, op.executions)
+        entry = merged.setdefault(key, [op.executions, 0, 0])
+        for _ in range(copies):
+            if entry[1] == 0 or entry[2] + op.result_bytes > threshold:
+                entry[1], entry[2] = entry[1] + 1, 0
+            entry[2] += op.result_bytes
+    return total + sum(executions * count for executions, count, _ in merged.values())
+
+
+def largest_gather_bytes(layers: Iterable[tuple[tuple[str, ...] | None, int]], itemsize: int) -> int:
+    """Bytes of the step's largest single gather from `(unit, elements of one layer)` per leaf: one layer
+    of a stack or block (its leaves together), or every other leaf (unit None) together."""
+    per_unit: dict[tuple[str, ...] | None, int] = {}
+    for unit, elements in layers:
+        per_unit[unit] = per_unit.get(unit, 0) + elements * itemsize
+    return max(per_unit.values(), default=0)
+
+
 def build(
     axes: AxisPlan,
-    leaves: Iterable[tuple[tuple[str, ...], Sequence[int], bool, bool, bool, bool, bool]],
+    leaves: Iterable[
+        tuple[tuple[str, ...], Sequence[int], bool, bool, bool, bool, bool, tuple[str, ...] | None]
+    ],
     micro_batches: int,
     remat: str,
     param_itemsize: int,
@@ -366,7 +430,7 @@ def build(
     implementation: Implementation = Implementation(),
 ) -> Schedule:
     """The schedule of a step over `leaves` given as (path, shape, stacked, gathered per layer,
-    gathered again in the backward pass, frozen, split major dimension first)."""
+    gathered again in the backward pass, frozen, split major dimension first, layer group)."""
     knobs = (micro_batches, remat, param_itemsize, reduce_itemsize, implementation)
     scheduled = {
         tuple(path): leaf_schedule(axes, tuple(path), shape, stacked, *knobs, *flags)

@@ -30,7 +30,7 @@ from amsp_jax.errors import AmspError, one_line
 from amsp_jax.layers import Chain, LayerContext, Layers, StackOps, find_layers, layer_context, linen_blocks
 from amsp_jax.optimizer_cost import ELEMENT_WISE, OptimizerUpdate
 from amsp_jax.plan import Plan
-from amsp_jax.schedule import LeafSchedule, Schedule, grad_dtype
+from amsp_jax.schedule import LeafSchedule, Schedule, grad_dtype, largest_gather_bytes
 from amsp_jax.schedule import build as build_schedule
 from amsp_jax.sharding import Layout, LeafLayout, batch_spec, leaf_layout, make_layout, pad, unpad
 from amsp_jax.xla import compiler_options, scheduler_slop_factor, selects_in_place
@@ -238,7 +238,8 @@ class Trainer:
             plan = self.plan
             leaves = [
                 (path, leaf.shape, pl.stack_of(path) is not None, pl.per_layer(path),
-                 path not in pl.backward_unused, path in pl.frozen, path not in pl.split_for_update)
+                 path not in pl.backward_unused, path in pl.frozen, path not in pl.split_for_update,
+                 pl.stack_of(path) or pl.block_of(path))
                 for path, leaf in pl.leaves.items()
             ]  # fmt: skip
             built = build_schedule(
@@ -848,13 +849,14 @@ class Trainer:
         """Bytes of the largest single gather: one layer of a stack, or all the other leaves together."""
         pl = self.params_layout
         assert pl is not None
-        itemsize = self.plan.precision.param_bytes
-        per_group: dict[Path | None, int] = {}
-        for path, leaf in pl.leaves.items():
-            stack = pl.stack_of(path) or pl.block_of(path)
-            elements = int(np.prod(leaf.padded)) // (leaf.shape[0] if stack else 1)
-            per_group[stack] = per_group.get(stack, 0) + elements * itemsize
-        return max(per_group.values(), default=0)
+        return largest_gather_bytes(
+            (
+                (pl.stack_of(path) or pl.block_of(path),
+                 int(np.prod(leaf.padded)) // (leaf.shape[0] if pl.stack_of(path) else 1))
+                for path, leaf in pl.leaves.items()
+            ),
+            self.plan.precision.param_bytes,
+        )  # fmt: skip
 
     def describe(self) -> str:
         """The plan as laid out for this model: mesh axes, component axes, gathering, replicated leaves."""

@@ -1,10 +1,12 @@
 """The time model: step time, tokens/s and MFU from the cost model's bytes and a cluster's hardware.
 
-Built on `amsp_jax.cost`, never beside it: the bytes of every collective come from
-`cost.leaf_transfers` (the step's schedule: the same numbers the audit checks against the compiled
-program), regrouped by the compute they can hide behind. Each op is priced by its kind, link level,
-group size and nodes spanned: `executions × latency(kind, group, nodes) + bytes / busbw(bytes /
-executions)` (NCCL's ring latency grows with the ring; see `amsp_jax.cluster_config`).
+Built on `amsp_jax.cost`, never beside it: the bytes of every collective come from `cost.leaf_ops`
+(the step's schedule: the same numbers the audit checks against the compiled program), regrouped by
+the compute they can hide behind. Each group of ops is priced by its kind, link level, group size and
+nodes spanned: `launches × latency(kind, group, nodes) + bytes / busbw(bytes / launches)` (NCCL's ring
+latency grows with the ring; see `amsp_jax.cluster_config`), where `launches` counts the collectives
+XLA issues once its combiners have merged the ops that run together (`schedule.launches`: on GPU one
+per layer and phase, not one per leaf).
 
 Compute: model FLOPs per token 6Φ + 12·L·H·Q·T (forward 1/3, backward 2/3) plus what remat runs
 again — `full` repeats each layer's forward (2Φ_layers + 4·L·H·Q·T per token); `dots` keeps every
@@ -65,10 +67,11 @@ from amsp_jax.cost import (
     Prediction,
     Transfer,
     Workload,
-    leaf_transfers,
+    issued,
+    leaf_ops,
     predict,
 )
-from amsp_jax.schedule import COLLECTIVE_PERMUTE, grad_dtype
+from amsp_jax.schedule import COLLECTIVE_PERMUTE, Op, grad_dtype
 from amsp_jax.sharding import AxisPlan
 
 FORWARD_GATHER = "P gather, layers (forward)"
@@ -104,8 +107,8 @@ Traffic = Mapping[str, tuple[Transfer, ...]]
 
 
 def merge(transfers: list[tuple[int, Transfer]], group: str) -> tuple[Transfer, ...]:
-    """`(count, transfer)` pairs summed by (kind, level, group size, nodes), as `cost.communication`
-    merges them; ops over groups of different size stay apart (their latencies differ)."""
+    """`(count, transfer)` pairs of transfers already issued summed by (kind, level, group size, nodes);
+    ops over groups of different size stay apart (their latencies differ)."""
     totals: dict[tuple[str, str, int, int], list[int]] = {}
     for count, t in transfers:
         entry = totals.setdefault((t.kind, t.level, t.group, t.nodes), [0, 0])
@@ -119,19 +122,32 @@ def merge(transfers: list[tuple[int, Transfer]], group: str) -> tuple[Transfer, 
 
 
 def distinct_leaves(workload: Workload) -> list[tuple[LeafShape, int]]:
-    """One leaf per (shape, stacked) and its count: identical leaves (wq/wk/wv, w1/w3) move equal bytes."""
-    counts = Counter((leaf.shape, leaf.stacked) for leaf in workload.leaves)
-    first = {(leaf.shape, leaf.stacked): leaf for leaf in reversed(workload.leaves)}
-    return [(first[key], count) for key, count in counts.items()]
+    """One leaf per kind of leaf and its count: identical leaves of one layer group (wq/wk/wv, w1/w3)
+    run identical ops."""
+
+    def key(leaf: LeafShape) -> tuple[object, ...]:
+        # A per-layer leaf without a layer group is a group of its own: its path stays in the key.
+        alone = Workload.per_layer(leaf) and leaf.unit is None
+        return dataclasses.astuple(dataclasses.replace(leaf, path=leaf.path if alone else ()))
+
+    counts = Counter(key(leaf) for leaf in workload.leaves)
+    first = {key(leaf): leaf for leaf in reversed(workload.leaves)}
+    return [(first[k], count) for k, count in counts.items()]
+
+
+def issue(ops: list[tuple[int, Op]], group: str, workload: Workload) -> tuple[Transfer, ...]:
+    """`(count, op)` pairs of one overlap group as the collectives XLA issues (`cost.issued`), by (kind,
+    level, group size, nodes)."""
+    return tuple(sorted(issued(ops, workload, group), key=lambda t: (t.kind, t.level, t.group, t.nodes)))
 
 
 def traffic(axes: AxisPlan, workload: Workload) -> Traffic:
-    """Every collective of one step from `cost.leaf_transfers`, grouped by overlap window."""
-    by_group: dict[str, list[tuple[int, Transfer]]] = {g: [] for g in GROUPS}
+    """Every collective of one step from `cost.leaf_ops`, grouped by overlap window."""
+    by_group: dict[str, list[tuple[int, Op]]] = {g: [] for g in GROUPS}
     for leaf, count in distinct_leaves(workload):
-        for t in leaf_transfers(axes, workload, leaf):
-            by_group[group_of(t.phase, leaf.stacked)].append((count, t))
-    return {g: merge(items, g) for g, items in by_group.items()}
+        for op in leaf_ops(axes, workload, leaf):
+            by_group[group_of(op.phase, leaf.stacked)].append((count, op))
+    return {g: issue(items, g, workload) for g, items in by_group.items()}
 
 
 def transfer_time(t: Transfer, cluster: ClusterConfig) -> float:

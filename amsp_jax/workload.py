@@ -59,13 +59,14 @@ def _leaves(layers: Layers) -> tuple[LeafShape, ...]:
     stacks = layers.stacked
     unused = layers.backward_unused
 
-    def under(path: LeafPath, roots: Any) -> bool:
-        return any(path[: len(r)] == r for r in roots)
+    def under(path: LeafPath, roots: Any) -> LeafPath | None:
+        return next((r for r in roots if path[: len(r)] == r), None)
 
     return tuple(
         LeafShape(
-            path, tuple(x.shape), under(path, stacks), under(path, (*stacks, *layers.blocks)),
-            path not in unused,
+            path, tuple(x.shape), under(path, stacks) is not None,
+            under(path, (*stacks, *layers.blocks)) is not None, path not in unused,
+            unit=under(path, (*stacks, *layers.blocks)),
         )
         for path, x in flat.items()
     )

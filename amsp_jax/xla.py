@@ -18,6 +18,7 @@ participants than devices in one rendezvous). amsp_jax keeps XLA's default, whic
 
 from __future__ import annotations
 
+import math
 import os
 
 _MIB = 1 << 20
@@ -63,10 +64,29 @@ def scheduler_slop_factor(memory_limit: float, device_memory: int, io_bytes: int
     return max(1, int(100 * (budget - io_bytes) / room)) if room > 0 else 100
 
 
-def gpu_options(layer_bytes: int = 0, slop_factor: int | None = None) -> dict[str, object]:
-    """The GPU compiler options; the gather and all-reduce combine thresholds are at least one layer;
-    `slop_factor` sets the scheduler's memory budget (`scheduler_slop_factor`)."""
+def combine_thresholds(platform: str, layer_bytes: int = 0) -> dict[str, float]:
+    """Bytes up to which XLA merges independent collectives of one kind into one, by kind (a kind it
+    never merges is absent); the size compared is the merged op's result. `layer_bytes`: the step's
+    largest single gather (`schedule.largest_gather_bytes`).
+
+    On GPU these are the options `gpu_options` sets: a gathered layer at least, so that one layer's
+    gathers become one collective. XLA:CPU merges all-reduces without a limit (12 gradient all-reduces
+    of 8 MiB each compiled to one) and never merges all-gathers or reduce-scatters.
+    """
+    if platform == "cpu":
+        return {"all-reduce": math.inf}
     combine = max(layer_bytes, 64 * _MIB)
+    return {
+        "all-gather": combine,
+        "reduce-scatter": REDUCE_SCATTER_COMBINE_BYTES,
+        "all-reduce": 2 * combine,
+    }
+
+
+def gpu_options(layer_bytes: int = 0, slop_factor: int | None = None) -> dict[str, object]:
+    """The GPU compiler options; the gather and all-reduce combine thresholds are at least one layer
+    (`combine_thresholds`); `slop_factor` sets the scheduler's memory budget (`scheduler_slop_factor`)."""
+    thresholds = combine_thresholds("gpu", layer_bytes)
     cache = os.environ.get(KERNEL_CACHE_ENV)
     budget = {} if slop_factor is None else {"xla_gpu_memory_limit_slop_factor": slop_factor}
     return ({"xla_gpu_kernel_cache_file": cache} if cache else {}) | budget | {
@@ -81,9 +101,9 @@ def gpu_options(layer_bytes: int = 0, slop_factor: int | None = None) -> dict[st
         "xla_gpu_enable_pipelined_all_gather": True,
         "xla_gpu_enable_pipelined_reduce_scatter": True,
         "xla_gpu_enable_pipelined_all_reduce": True,
-        "xla_gpu_all_gather_combine_threshold_bytes": combine,
-        "xla_gpu_reduce_scatter_combine_threshold_bytes": REDUCE_SCATTER_COMBINE_BYTES,
-        "xla_gpu_all_reduce_combine_threshold_bytes": 2 * combine,
+        "xla_gpu_all_gather_combine_threshold_bytes": int(thresholds["all-gather"]),
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": int(thresholds["reduce-scatter"]),
+        "xla_gpu_all_reduce_combine_threshold_bytes": int(thresholds["all-reduce"]),
     }
 
 

@@ -120,18 +120,27 @@ SWEEP = [
 ]
 
 
-def _check_bytes(r: audit.Report) -> None:
+def _check_bytes(r: audit.Report, micro_batches: int) -> None:
     assert _nonzero(r.measured.bytes_by_kind_and_level()) == _nonzero(r.predicted.bytes_by_kind_and_level())
     # Real bf16 reduce-scatters on the wire, unlike the CPU backend's fp32 all-reduce decompositions.
     kinds = {c.kind: c.dtype for c, _ in r.measured.model_state_collectives()}
     assert kinds.get("reduce-scatter", "bf16") == "bf16"
+    # XLA's combiners issue one collective per layer and phase, not one per leaf, and the time model
+    # counts that many; at the turn from forward to backward XLA merges two more gathers and, where P
+    # is gathered per layer, the other leaves' gradient reduce-scatter with a layer's, per micro-batch.
+    predicted, compiled = _nonzero(r.predicted_launches()), _nonzero(r.measured.launches_by_kind_and_level())
+    assert predicted.keys() == compiled.keys()
+    slack = {"all-gather": 2 * micro_batches, "reduce-scatter": micro_batches}
+    for kind, levels in compiled.items():
+        for level, issued in levels.items():
+            assert 0 <= predicted[kind][level] - issued <= slack.get(kind, 0), (predicted, compiled)
 
 
 @needs_compiler
 @pytest.mark.parametrize(("target", "strategy", "micro_batches"), EXACT)
 def test_compiled_bytes_equal_predicted_per_kind_and_level(target, strategy, micro_batches):
     r = report(target, strategy, micro_batches)
-    _check_bytes(r)
+    _check_bytes(r, micro_batches)
     # The leaves outside the layers are gathered once per step, whatever M: the step issues that gather
     # before the micro-batch loop (XLA's GPU pipeline does not hoist it out of the loop by itself).
     others = [c for c in r.measured.collectives if c.kind == "all-gather" and not r.measured.in_layer_loop(c)]
@@ -142,7 +151,7 @@ def test_compiled_bytes_equal_predicted_per_kind_and_level(target, strategy, mic
 @pytest.mark.slow
 @pytest.mark.parametrize(("target", "strategy", "micro_batches"), SWEEP)
 def test_compiled_bytes_equal_predicted_for_more_plans(target, strategy, micro_batches):
-    _check_bytes(report(target, strategy, micro_batches))
+    _check_bytes(report(target, strategy, micro_batches), micro_batches)
 
 
 # Four layers at a width where the model's tensors fill the memory (the dim-64 model above compiles to
@@ -179,7 +188,7 @@ def test_compiled_memory_within_ten_percent_and_bytes_equal(target, strategy, mi
     tokens = jax.ShapeDtypeStruct((cluster.num_devices * micro_batches, WIDE.max_seq_len), jnp.int32)
     r = audit.audit_trainer(trainer, {"inputs": tokens, "targets": tokens}, cost.llama_dims(WIDE))
     assert abs(r.memory_ratio - 1) <= 0.10, r.table()
-    _check_bytes(r)
+    _check_bytes(r, micro_batches)
 
 
 # XLA unrolls this small model's micro-batch loop entirely at M = 3 (and the layer loops in it); at 4 it

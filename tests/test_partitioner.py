@@ -10,6 +10,7 @@ import pytest
 from amsp_jax import partitioner as pt
 from amsp_jax.cluster_config import PASS_BLOCKS, from_dict
 from amsp_jax.models.llama import LlamaConfig
+from amsp_jax.sharding import leaf_layout, plan_axes
 from amsp_jax.space import Cluster, Strategy, StrategyError, resolve
 
 CASES = 50
@@ -100,7 +101,18 @@ def test_ilp_finds_the_brute_force_optimum_and_it_fits(seed):
     c = ilp.choice
     full = pt.evaluate(terms.request, c.strategy, c.micro_batch_size, c.remat)
     assert full.memory_bytes <= terms.memory_limit
-    assert full.estimate.time.step_s == pytest.approx(ilp.step_s, rel=1e-9)
+    # The decomposition prices a padded leaf at its probe's padding (the module's docstring): exact
+    # where nothing pads, else off by the padding's share of the bytes of merged collectives.
+    exact = not pads(terms.request, c.strategy)
+    assert full.estimate.time.step_s == pytest.approx(ilp.step_s, rel=1e-9 if exact else 1e-2)
+
+
+def pads(request: pt.Request, strategy: Strategy) -> bool:
+    """Whether some leaf of the request's model is padded under `strategy`."""
+    axes = plan_axes(request.cluster.cluster(), strategy)
+    return any(
+        leaf_layout(axes, leaf.shape, leaf.stacked).padded != leaf.shape for leaf in request.workload().leaves
+    )
 
 
 @pytest.mark.parametrize("seed", [3, 11, 29])
