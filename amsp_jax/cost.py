@@ -227,8 +227,10 @@ def llama_dims(config: object) -> ModelDims:
 class Transfer:
     """Bytes one device sends per step in one phase, by collective kind and link level.
 
-    `group` and `nodes` (devices in the collective's group, nodes they span) are set for a single
-    op and 0 once transfers of different groups are merged.
+    `executions`: collectives issued per step, one op's executions or, merged (`issued`), the
+    collectives XLA issues for the ops once its combiners have merged them. `group` and `nodes`
+    (devices in the collective's group, nodes they span) are set for a single op and 0 once transfers
+    of different groups are merged.
     """
 
     phase: str
