@@ -52,6 +52,13 @@ class LeafShape:
         return math.prod(self.shape)
 
     @property
+    def layer_group(self) -> tuple[str, ...] | None:
+        """What the step gathers this leaf with, one layer at a time: its stack or block (alone where
+        none is named); None for a leaf gathered once per step."""
+        per_layer = self.stacked if self.per_layer is None else self.per_layer
+        return (self.unit or self.path) if per_layer else None
+
+    @property
     def layer_size(self) -> int:
         """Elements of one layer of a stacked leaf (of the leaf otherwise)."""
         return self.size // self.shape[0] if self.stacked else self.size
@@ -114,14 +121,9 @@ class Workload:
     @property
     def largest_gather_bytes(self) -> int:
         """Bytes of the step's largest single gather (`schedule.largest_gather_bytes`)."""
-        units = ((leaf.unit or leaf.path) if self.per_layer(leaf) else None for leaf in self.leaves)
-        sizes = (leaf.layer_size for leaf in self.leaves)
-        return schedule.largest_gather_bytes(zip(units, sizes, strict=True), self.precision.param_bytes)
-
-    @staticmethod
-    def per_layer(leaf: LeafShape) -> bool:
-        """Whether the step gathers `leaf` one layer at a time."""
-        return leaf.stacked if leaf.per_layer is None else leaf.per_layer
+        return schedule.largest_gather_bytes(
+            ((leaf.layer_group, leaf.layer_size) for leaf in self.leaves), self.precision.param_bytes
+        )
 
     def launches(self, ops: Iterable[tuple[int, Op]]) -> int:
         """Collectives XLA issues per step for `(copies, op)` pairs (`schedule.launches`)."""

@@ -106,28 +106,13 @@ Traffic = Mapping[str, tuple[Transfer, ...]]
 """Per-device transfers of one step by overlap group, merged by (kind, level)."""
 
 
-def merge(transfers: list[tuple[int, Transfer]], group: str) -> tuple[Transfer, ...]:
-    """`(count, transfer)` pairs of transfers already issued summed by (kind, level, group size, nodes);
-    ops over groups of different size stay apart (their latencies differ)."""
-    totals: dict[tuple[str, str, int, int], list[int]] = {}
-    for count, t in transfers:
-        entry = totals.setdefault((t.kind, t.level, t.group, t.nodes), [0, 0])
-        entry[0] += count * t.bytes
-        entry[1] += count * t.executions
-    return tuple(
-        Transfer(group, kind, level, b, e, size, nodes)
-        for (kind, level, size, nodes), (b, e) in sorted(totals.items())
-        if b
-    )
-
-
 def distinct_leaves(workload: Workload) -> list[tuple[LeafShape, int]]:
     """One leaf per kind of leaf and its count: identical leaves of one layer group (wq/wk/wv, w1/w3)
     run identical ops."""
 
     def key(leaf: LeafShape) -> tuple[object, ...]:
-        # A per-layer leaf without a layer group is a group of its own: its path stays in the key.
-        alone = Workload.per_layer(leaf) and leaf.unit is None
+        # A per-layer leaf without a named stack or block is a group of its own: its path stays.
+        alone = leaf.layer_group == leaf.path
         return dataclasses.astuple(dataclasses.replace(leaf, path=leaf.path if alone else ()))
 
     counts = Counter(key(leaf) for leaf in workload.leaves)
