@@ -29,7 +29,7 @@ from amsp_jax import schedule
 from amsp_jax.optimizer_cost import ELEMENT_WISE, OptimizerUpdate, update_ops
 from amsp_jax.plan import Precision
 from amsp_jax.schedule import PHASES, Implementation, LeafSchedule, Op
-from amsp_jax.sharding import AxisPlan, LeafLayout
+from amsp_jax.sharding import AxisPlan, LeafLayout, leaf_layout
 
 FP32 = 4
 
@@ -58,10 +58,6 @@ class LeafShape:
         per_layer = self.stacked if self.per_layer is None else self.per_layer
         return (self.unit or self.path) if per_layer else None
 
-    @property
-    def layer_size(self) -> int:
-        """Elements of one layer of a stacked leaf (of the leaf otherwise)."""
-        return self.size // self.shape[0] if self.stacked else self.size
 
 
 def looped_blocks(leaves: Iterable[LeafShape]) -> bool:
@@ -118,16 +114,6 @@ class Workload:
     # The backend the step compiles for: which collectives XLA merges (`schedule.launches`).
     platform: str = "gpu"
 
-    @property
-    def largest_gather_bytes(self) -> int:
-        """Bytes of the step's largest single gather (`schedule.largest_gather_bytes`)."""
-        return schedule.largest_gather_bytes(
-            ((leaf.layer_group, leaf.layer_size) for leaf in self.leaves), self.precision.param_bytes
-        )
-
-    def launches(self, ops: Iterable[tuple[int, Op]]) -> int:
-        """Collectives XLA issues per step for `(copies, op)` pairs (`schedule.launches`)."""
-        return schedule.launches(ops, self.platform, self.largest_gather_bytes)
 
     def wire_bytes(self, itemsize: int) -> int:
         """Bytes per element on the wire for a tensor of `itemsize`."""
@@ -278,10 +264,25 @@ def leaf_transfers(axes: AxisPlan, workload: Workload, leaf: LeafShape) -> list[
     return [transfer(op, workload) for op in leaf_ops(axes, workload, leaf)]
 
 
-def issued(ops: Iterable[tuple[int, Op]], workload: Workload, phase: str | None = None) -> list[Transfer]:
+def largest_gather_bytes(axes: AxisPlan, workload: Workload) -> int:
+    """The step's largest single gather under `axes`, padding included (`schedule.largest_gather_bytes`:
+    what the step gives XLA as its combine threshold)."""
+
+    def stored_layer(leaf: LeafShape) -> int:
+        split = leaf_layout(axes, leaf.shape, leaf.stacked, not workload.optimizer.communicates_on(leaf.path))
+        return math.prod(split.padded) // (leaf.shape[0] if leaf.stacked else 1)
+
+    return schedule.largest_gather_bytes(
+        ((leaf.layer_group, stored_layer(leaf)) for leaf in workload.leaves), workload.precision.param_bytes
+    )
+
+
+def issued(
+    ops: Iterable[tuple[int, Op]], workload: Workload, layer_bytes: int, phase: str | None = None
+) -> list[Transfer]:
     """`(copies, op)` pairs as transfers by (phase, kind, level, group size, nodes): bytes summed, and
-    executions the collectives XLA issues for them (`Workload.launches`). `phase` names every transfer
-    by one group instead of its ops' phases."""
+    executions the collectives XLA issues for them (`schedule.launches`, with the step's largest
+    gather `layer_bytes`). `phase` names every transfer by one group instead of its ops' phases."""
     merged: dict[tuple[str, str, str, int, int], list[tuple[int, Op]]] = defaultdict(list)
     for copies, op in ops:
         merged[(phase or op.phase, op.kind, op.level, op.group, op.nodes)].append((copies, op))
@@ -289,7 +290,8 @@ def issued(ops: Iterable[tuple[int, Op]], workload: Workload, phase: str | None 
     for (name, kind, level, group, nodes), items in merged.items():
         size = sum(copies * transfer(op, workload).bytes for copies, op in items)
         if size:
-            found.append(Transfer(name, kind, level, size, workload.launches(items), group, nodes))
+            issued_ops = schedule.launches(items, workload.platform, layer_bytes)
+            found.append(Transfer(name, kind, level, size, issued_ops, group, nodes))
     return found
 
 
@@ -299,7 +301,7 @@ def communication(axes: AxisPlan, workload: Workload) -> list[Transfer]:
     order = {p: i for i, p in enumerate(PHASES)}
     ops = [(1, op) for leaf in workload.leaves for op in leaf_ops(axes, workload, leaf)]
     return sorted(
-        issued(ops, workload),
+        issued(ops, workload, largest_gather_bytes(axes, workload)),
         key=lambda t: (order[t.phase], t.kind, t.level, t.group, t.nodes),
     )
 

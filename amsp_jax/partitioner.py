@@ -48,7 +48,7 @@ import pulp
 from amsp_jax import config_files, optimizer_cost, timing
 from amsp_jax.cluster_config import ClusterConfig, for_cluster
 from amsp_jax.cluster_config import load as load_cluster
-from amsp_jax.cost import Workload, leaf_ops, llama_workload, looped_blocks, memory
+from amsp_jax.cost import Workload, largest_gather_bytes, leaf_ops, llama_workload, looped_blocks, memory
 from amsp_jax.models.llama import LlamaConfig, ModelConfigError, muon_dimension_numbers
 from amsp_jax.plan import REMAT_POLICIES, Plan, Precision
 from amsp_jax.schedule import UPDATE, Implementation, Op, accumulates, params_from_master, uses_prefetch
@@ -296,9 +296,10 @@ class Terms:
 
 
 def _merge_time(
-    parts: Iterable[tuple[int, Op]], group: str, workload: Workload, cluster: ClusterConfig
+    parts: Iterable[tuple[int, Op]], group: str, workload: Workload, layer_bytes: int, cluster: ClusterConfig
 ) -> float:
-    return sum(timing.transfer_time(t, cluster) for t in timing.issue(list(parts), group, workload))
+    issued = timing.issue(list(parts), group, workload, layer_bytes)
+    return sum(timing.transfer_time(t, cluster) for t in issued)
 
 
 def build_terms(request: Request) -> Terms:
@@ -332,6 +333,7 @@ def build_terms(request: Request) -> Terms:
 
     # Per-leaf ops when split, from probes Strategy(x, x, o); and when not split, from DDP.
     per_leaf: dict[tuple[Placement, Placement], list[dict[str, list[tuple[int, Op]]]]] = {}
+    gather_bytes: dict[tuple[Placement, Placement], int] = {}  # the probe's largest gather (padded)
 
     def probe(x: Placement, o: Placement) -> list[dict[str, list[tuple[int, Op]]]]:
         if (x, o) not in per_leaf:
@@ -343,6 +345,7 @@ def build_terms(request: Request) -> Terms:
                     groups.setdefault(timing.group_of(op.phase, leaf.stacked), []).append((count, op))
                 found.append(groups)
             per_leaf[(x, o)] = found
+            gather_bytes[(x, o)] = largest_gather_bytes(axes, base)
         return per_leaf[(x, o)]
 
     one = Placement(1, 1)
@@ -353,7 +356,7 @@ def build_terms(request: Request) -> Terms:
         parts = itertools.chain.from_iterable(
             (split[i] if i in profiles[pi] else unsplit[i]).get(group, ()) for i in range(len(leaves))
         )
-        return _merge_time(parts, group, base, hardware)
+        return _merge_time(parts, group, base, gather_bytes[(x, o)], hardware)
 
     p_time, g_time = {}, {}
     for x, pi in possible:

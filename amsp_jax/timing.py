@@ -68,6 +68,7 @@ from amsp_jax.cost import (
     Transfer,
     Workload,
     issued,
+    largest_gather_bytes,
     leaf_ops,
     predict,
 )
@@ -120,10 +121,13 @@ def distinct_leaves(workload: Workload) -> list[tuple[LeafShape, int]]:
     return [(first[k], count) for k, count in counts.items()]
 
 
-def issue(ops: list[tuple[int, Op]], group: str, workload: Workload) -> tuple[Transfer, ...]:
+def issue(
+    ops: list[tuple[int, Op]], group: str, workload: Workload, layer_bytes: int
+) -> tuple[Transfer, ...]:
     """`(count, op)` pairs of one overlap group as the collectives XLA issues (`cost.issued`), by (kind,
     level, group size, nodes)."""
-    return tuple(sorted(issued(ops, workload, group), key=lambda t: (t.kind, t.level, t.group, t.nodes)))
+    found = issued(ops, workload, layer_bytes, group)
+    return tuple(sorted(found, key=lambda t: (t.kind, t.level, t.group, t.nodes)))
 
 
 def traffic(axes: AxisPlan, workload: Workload) -> Traffic:
@@ -132,7 +136,8 @@ def traffic(axes: AxisPlan, workload: Workload) -> Traffic:
     for leaf, count in distinct_leaves(workload):
         for op in leaf_ops(axes, workload, leaf):
             by_group[group_of(op.phase, leaf.stacked)].append((count, op))
-    return {g: issue(items, g, workload) for g, items in by_group.items()}
+    layer_bytes = largest_gather_bytes(axes, workload)
+    return {g: issue(items, g, workload, layer_bytes) for g, items in by_group.items()}
 
 
 def transfer_time(t: Transfer, cluster: ClusterConfig) -> float:

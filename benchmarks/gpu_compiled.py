@@ -89,7 +89,14 @@ def amsp_row(
         "compiled_breakdown": report.measured.memory_stats,
         "per_layer_hidden_fraction": overlap.get("per_layer_hidden_fraction"),
         "overlap_by_phase": overlap.get("by_phase"),
+        "predicted_issued": _total(report.predicted_launches()),
+        "compiled_issued": _total(report.measured.launches_by_kind_and_level()),
     }
+
+
+def _total(by_kind: dict[str, dict[str, int]]) -> int:
+    """Collectives per step over every kind and level."""
+    return sum(sum(levels.values()) for levels in by_kind.values())
 
 
 def peer_row(config: LlamaConfig, devices: list[jax.Device], mode: str, seq: int) -> dict[str, Any]:
@@ -128,6 +135,8 @@ def peer_row(config: LlamaConfig, devices: list[jax.Device], mode: str, seq: int
         "compiled_breakdown": measured.memory_stats,
         "per_layer_hidden_fraction": overlap.get("per_layer_hidden_fraction"),
         "overlap_by_phase": overlap.get("by_phase"),
+        "predicted_issued": None,
+        "compiled_issued": _total(measured.launches_by_kind_and_level()),
     }
 
 
@@ -144,8 +153,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| system | plan | bytes/device inter GB (pred / compiled) | intra GB (pred / compiled) "
         "| bytes equal | memory GiB pred | compiled | compiled ÷ pred | compiled args / temp GiB "
-        "| per-layer bytes with compute between start and done | compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| per-layer bytes with compute between start and done | collectives issued (pred / compiled) "
+        "| compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         pred, comp = r["predicted_bytes"] or {}, r["compiled_bytes"]
@@ -158,7 +168,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {'–' if r['bytes_match'] is None else 'yes' if r['bytes_match'] else 'no'} "
             f"| {_gib(r['predicted_memory'])} | {_gib(r['compiled_memory'])} | {ratio} "
             f"| {_gib(stats['argument_size_in_bytes'])} / {_gib(stats['temp_size_in_bytes'])} "
-            f"| {'–' if hidden is None else f'{hidden:.0%}'} | {r['compile_s']} |"
+            f"| {'–' if hidden is None else f'{hidden:.0%}'} "
+            f"| {r.get('predicted_issued') or '–'} / {r.get('compiled_issued', '–')} | {r['compile_s']} |"
         )
     return "\n".join(lines)
 
