@@ -59,7 +59,6 @@ class LeafShape:
         return (self.unit or self.path) if per_layer else None
 
 
-
 def looped_blocks(leaves: Iterable[LeafShape]) -> bool:
     """Whether a model's layers are blocks called one by one (gathered per layer, not stacked)."""
     return any(leaf.per_layer and not leaf.stacked for leaf in leaves)
@@ -113,7 +112,6 @@ class Workload:
     update_in_place: bool = True
     # The backend the step compiles for: which collectives XLA merges (`schedule.launches`).
     platform: str = "gpu"
-
 
     def wire_bytes(self, itemsize: int) -> int:
         """Bytes per element on the wire for a tensor of `itemsize`."""
