@@ -192,6 +192,10 @@ def test_audit_bytes_are_exact(style, strategy, micro_batches):
     report = audit.audit_trainer(trainer, batch, DIMS)
     predicted, measured = report.predicted, report.measured
     assert report.bytes_match, (predicted.bytes_by_kind_and_level(), measured.bytes_by_kind_and_level())
+    # Blocks, scans and stacks alike: the collectives the compiled program issues are those counted.
+    assert measured.launches_by_kind_and_level() == {
+        kind: levels for kind, levels in report.predicted_launches().items() if any(levels.values())
+    }
 
 
 @pytest.mark.parametrize("style", ["loop", "scan"])
