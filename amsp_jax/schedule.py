@@ -313,12 +313,13 @@ def leaf_schedule(
         )
     else:
         gather, regather = build.all_gather(OTHER_GATHER, p_axes, dim, p_block, param_itemsize, 1), []
+    # A loop of blocks is straight-line code, so XLA merges its blocks' gradient reduce-scatters with
+    # each other and the other leaves' (up to the threshold); a stack's run once per loop iteration.
+    grad_build = layer_build if stacked else build
     grad_reduce = (
         []
         if frozen
-        else layer_build.reduce_scatter(
-            GRAD_REDUCE, g_axes, dim, layer_size, reduce_itemsize, per_micro_batch
-        )
+        else grad_build.reduce_scatter(GRAD_REDUCE, g_axes, dim, layer_size, reduce_itemsize, per_micro_batch)
     )
 
     g_block = size // axes.size(g_axes)

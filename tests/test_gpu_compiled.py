@@ -321,3 +321,27 @@ def test_the_plans_memory_limit_is_the_budget_xlas_scheduler_plans_for():
     # At this size a layer's gradient reduce-scatter is above XLA's combine threshold: the issued
     # collectives still follow the prediction.
     _check_bytes(planned, 1)
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("style", "strategy", "micro_batches"), [("loop", "zero3", 1), ("nnx list", "zero2", 2)]
+)
+def test_a_loop_of_blocks_issues_the_counted_collectives(style, strategy, micro_batches):
+    # A GPT written without LayerStack, its blocks gathered one at a time. Each block's gathers are one
+    # collective (chained one block ahead, so XLA keeps the blocks apart), and its backward is
+    # straight-line code, where XLA merges every block's gradient reduce-scatter with the other
+    # leaves' (this model's fit one): exactly as counted.
+    from tests import model_zoo
+    from tests.test_any_model import DIMS, loss_of
+
+    cluster = Cluster.detect(devices("h100-sxm"))
+    model = model_zoo.model(style)
+    plan = Plan(cluster, preset(strategy, cluster), micro_batches, precision="mixed")
+    trainer = Trainer(plan, model, optax.adamw(1e-4), loss_of(model), devices=devices("h100-sxm"))
+    trainer.setup(jax.random.key(0), jnp.zeros((1, model_zoo.SEQ), jnp.int32))
+    tokens = jax.ShapeDtypeStruct((cluster.num_devices * micro_batches, model_zoo.SEQ), jnp.int32)
+    r = audit.audit_trainer(trainer, {"inputs": tokens, "targets": tokens}, DIMS)
+    assert r.bytes_match, r.table()
+    assert _nonzero(r.measured.launches_by_kind_and_level()) == _nonzero(r.predicted_launches())
+    assert r.measured.launches_by_kind_and_level()["reduce-scatter"]["inter"] == micro_batches
