@@ -387,20 +387,20 @@ def launches(ops: Iterable[tuple[int, Op]], platform: str, layer_bytes: int) -> 
     planner's placements priced one by one (`amsp_jax.partitioner`, on meshes of fewer axes) issue as
     many as the whole strategy; two groups of one shape over different axes of one mesh (a leaf split
     along two dimensions beside one split along one) count as one. A kind the platform does not merge
-    is issued once per op. Compiled for H100s (4-32
-    layers, every preset) XLA issues this many, less two gathers and at most one reduce-scatter per
-    micro-batch that it also merges at the turn from forward to backward (LLaMA-7B zero3 at 1,024
-    A100s: 63 all-gathers and 32 reduce-scatters per level, against 579 and 291 ops of leaves).
+    is issued once per op. Compiled for H100s and A100s (4-32 layers, every preset) XLA issues this
+    many, less two gathers and at most one reduce-scatter per micro-batch that it also merges at the
+    turn from forward to backward (LLaMA-7B zero3 at 1,024 A100s: 65 / 63 all-gathers and 66 / 32
+    reduce-scatters per level predicted / compiled, against 579 and 291 ops of leaves).
     """
+    thresholds = combine_thresholds(platform, layer_bytes)
     merged: dict[tuple[object, ...], list[int]] = {}
     total = 0
     for copies, op in ops:
-        if op.kind not in combine_thresholds(platform, layer_bytes):
+        if op.kind not in thresholds:
             total += copies * op.executions
             continue
         key = (op.phase, op.kind, op.group, op.nodes, op.unit, op.executions)
         merged.setdefault(key, []).extend([op.result_bytes] * copies)
-    thresholds = combine_thresholds(platform, layer_bytes)
     return total + sum(key[-1] * _packed(sizes, thresholds[key[1]]) for key, sizes in merged.items())
 
 

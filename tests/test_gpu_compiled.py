@@ -21,6 +21,8 @@ from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from amsp_jax.plan import Plan
 from amsp_jax.space import PRESETS, Cluster, Strategy, preset
 from amsp_jax.step import Trainer
+from tests import model_zoo
+from tests.test_any_model import DIMS, loss_of
 
 try:
     gpu_target.check_packages()
@@ -332,9 +334,6 @@ def test_a_loop_of_blocks_issues_the_counted_collectives(style, strategy, micro_
     # collective (chained one block ahead, so XLA keeps the blocks apart), and its backward is
     # straight-line code, where XLA merges every block's gradient reduce-scatter with the other
     # leaves' (this model's fit one): exactly as counted.
-    from tests import model_zoo
-    from tests.test_any_model import DIMS, loss_of
-
     cluster = Cluster.detect(devices("h100-sxm"))
     model = model_zoo.model(style)
     plan = Plan(cluster, preset(strategy, cluster), micro_batches, precision="mixed")
