@@ -23,6 +23,8 @@ smallest one costs (latency-bound), above the largest the bandwidth stays flat.
                                   # rate of a layer's matmuls over that many tokens at once (a bare
                                   # list of rows: the same for every dtype); a dtype without rows
                                   # runs at peak_flops × compute_efficiency
+                                  # memory_bandwidths (optional, written by `amsp-jax profile`): rows
+                                  # [bytes per device, GB/s] of an elementwise op into a fresh buffer
     overlap: {enabled, reduction_fraction, interference}   # enabled: false where collectives block compute
     latency: {base_us, intra_hop_us, inter_hop_us}   # optional: NCCL-style ring latency per op
     memory_passes: {bandwidth_gbps, step_overhead_ms, params, grads, opt_state, model, activations}
@@ -130,7 +132,10 @@ class BandwidthTable:
             pairs = sorted((parse_size(size), float(gbps) * GB) for size, gbps in rows)
         except (TypeError, ValueError) as error:
             raise ClusterConfigError(f"{where}: rows must be [size, GB/s] pairs ({error})") from error
-        return cls(tuple(s for s, _ in pairs), tuple(b for _, b in pairs))
+        try:
+            return cls(tuple(s for s, _ in pairs), tuple(b for _, b in pairs))
+        except ClusterConfigError as error:
+            raise ClusterConfigError(f"{where}: {error}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +168,10 @@ class ClusterConfig:
     # matmul at `sustained_flops`.
     matmul_rates: Mapping[str, BandwidthTable] | None = None
     flat_ring: tuple[int, int] | None = None  # (devices, nodes) of the ring the `flat` tables measured
+    # Bytes/s of an elementwise op into a fresh buffer by the bytes it writes per device: on a CPU a
+    # small buffer comes from the allocator's reused memory and the cache, a large one from pages the
+    # kernel must map on first touch; none: every size alike.
+    memory_bandwidths: BandwidthTable | None = None
 
     @property
     def platform(self) -> str:
@@ -187,6 +196,14 @@ class ClusterConfig:
         if table is None:
             return self.sustained_flops
         return table.at(tokens) * self.compute_efficiency
+
+    def pass_speed(self, nbytes: float) -> float:
+        """How much faster than over the largest measured buffer a memory pass over `nbytes` per device
+        runs (`memory_bandwidths`; 1 without them): the memory passes' bandwidth is fitted at scale."""
+        table = self.memory_bandwidths
+        if table is None:
+            return 1.0
+        return table.at(max(nbytes, table.sizes[0])) / table.busbw[-1]
 
     def cluster(self, nodes: int | None = None) -> Cluster:
         """The partition-space cluster of `nodes` (default: the config's) nodes."""
@@ -327,6 +344,8 @@ def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> Clust
         pass_bandwidth=passes["bandwidth_gbps"] * GB if passes else 0.0,
         step_overhead=passes["step_overhead_ms"] * 1e-3 if passes else 0.0,
         matmul_rates=_matmul_rates(device.get("matmul_rates"), f"{where}: device.matmul_rates"),
+        memory_bandwidths=device.get("memory_bandwidths")
+        and BandwidthTable.from_rows(device["memory_bandwidths"], f"{where}: device.memory_bandwidths"),
         flat_ring=flat_ring,
     )
 

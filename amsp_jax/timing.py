@@ -44,7 +44,11 @@ around the reduce-scatter), the fp32 master (the optimizer update), every parame
 weights and full-size gradients all plans handle) and the activations — at the bandwidth those
 kernels reach in a running step, plus a fixed cost per step. On the CPU mesh these passes are most
 of a step: zero1's replicated fp32 gradient is what makes it slower than zero2 at equal bytes on
-the wire. Without measured passes only the optimizer update is priced: it reads the fp32 gradient,
+the wire. Their speed depends on the block's size there: an elementwise op into a fresh 4 MiB
+buffer per device ran at 3.2 GB/s and one into 64 MiB at 0.85 (pages the kernel maps on first
+touch), one over 4 MiB in place at 31 GB/s; the profile measures that curve
+(`memory_bandwidths`) and each block runs at its size's speed relative to the largest.
+Without measured passes only the optimizer update is priced: it reads the fp32 gradient,
 reads and writes the master and the moments and writes the compute copy, all on the OS block, at
 the device's HBM bandwidth.
 MFU follows Megatron-LM: model FLOPs (no recompute, no causal halving) per second over peak.
@@ -152,10 +156,7 @@ def transfer_time(t: Transfer, cluster: ClusterConfig) -> float:
 
 def communication_times(traffic: Traffic, cluster: ClusterConfig) -> dict[str, float]:
     """Seconds of each group's collectives, one after another on the links."""
-    return {
-        group: sum(transfer_time(t, cluster) for t in transfers)
-        for group, transfers in traffic.items()
-    }
+    return {group: sum(transfer_time(t, cluster) for t in transfers) for group, transfers in traffic.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,10 +234,12 @@ def pass_blocks(memory: Memory, workload: Workload) -> dict[str, float]:
 
 
 def pass_time(block: str, nbytes: float, cluster: ClusterConfig) -> float:
-    """Seconds of the memory passes over one block of `nbytes` (0 where the cluster measured none)."""
+    """Seconds of the memory passes over one block of `nbytes` per device (0 where the cluster measured
+    none): at the passes' bandwidth, faster over a block small enough for the cache and the
+    allocator's reused memory (`ClusterConfig.pass_speed`)."""
     if cluster.memory_passes is None:
         return 0.0
-    return cluster.memory_passes[block] * nbytes / cluster.pass_bandwidth
+    return cluster.memory_passes[block] * nbytes / (cluster.pass_bandwidth * cluster.pass_speed(nbytes))
 
 
 def fixed_pass_time(num_params: int, activations: float, cluster: ClusterConfig) -> float:

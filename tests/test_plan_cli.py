@@ -8,6 +8,7 @@ import pytest
 from amsp_jax.cli import main
 from amsp_jax.cluster_config import FLAT, KINDS, LEVELS, MATMUL_DTYPES, load
 from amsp_jax.commands import probe
+from amsp_jax.commands.profile import PASS_SIZES
 
 AMSP = [
     "--cluster", "configs/clusters/a800-8x-ib800.yaml", "--nodes", "128",
@@ -90,6 +91,9 @@ def test_profile_writes_a_cluster_config_the_planner_reads(tmp_path, capsys):
     for dtype in MATMUL_DTYPES:
         assert config.matmul_rates[dtype].sizes == (2, 8, 32, 128, 512, 2048)
         assert config.matmul_rate(2, dtype) < config.matmul_rate(2048, dtype)
+    # Memory passes by buffer size: the rows the time model reads.
+    assert config.memory_bandwidths.sizes == tuple(float(n) for n in PASS_SIZES)
+    assert config.pass_speed(PASS_SIZES[-1]) == pytest.approx(1.0)
     assert config.memory_passes is None and not config.overlap_enabled
     assert "wrote" in capsys.readouterr().out
 
@@ -109,3 +113,47 @@ def test_probe_fit_recovers_pass_counts_bandwidth_and_overhead():
     assert passes.bandwidth == pytest.approx(3e9, rel=1e-6)
     assert passes.step_overhead_s == pytest.approx(0.005, rel=1e-6)
     assert passes.traffic_error < 1e-6
+
+
+def test_probe_fit_gives_no_step_a_negative_fixed_cost():
+    # Where compute and collectives are priced above what the probes take, the free fit's intercept is
+    # negative; a step has no negative fixed cost, so the passes alone are fitted to what is left.
+    rng = np.random.default_rng(1)
+    probes = []
+    for i in range(10):
+        blocks = tuple(rng.uniform(1e6, 1e8, len(probe.BLOCKS)))
+        traffic = 20.0 * sum(blocks)
+        probes.append(probe.Probe(str(i), blocks, int(traffic), 0.02 * i, 0.02 * i - 0.004 + traffic / 3e9))
+    passes = probe.fit(probes)
+    assert passes.step_overhead_s == 0
+    rest = np.array([p.measured_s - p.predicted_other_s for p in probes])
+    priced = np.array([p.traffic for p in probes]) / passes.bandwidth
+    # The least-squares line through the origin in relative error: its residuals, each over its
+    # step's time, are orthogonal to the passes so weighted.
+    weight = 1 / np.array([p.measured_s for p in probes])
+    residual, scaled = weight * (rest - priced), weight * priced
+    assert abs(float(residual @ scaled)) < 1e-9 * float(scaled @ scaled)
+    assert passes.bandwidth > 3e9
+
+
+def test_probe_fit_prices_a_small_block_at_its_speed():
+    # Blocks of up to 1 MiB run 4x faster per byte than larger ones: the fit of steps built so recovers
+    # the bandwidth at scale and the fixed cost where it is told the speeds, and not without them.
+    rng = np.random.default_rng(2)
+    speed = lambda nbytes: 4.0 if nbytes <= 2**20 else 1.0  # noqa: E731
+    probes = []
+    for i in range(12):
+        sizes = rng.choice([2**20, 2**23], len(probe.BLOCKS)) * rng.uniform(0.5, 1.0, len(probe.BLOCKS))
+        blocks = tuple(sizes)
+        seconds = sum(10.0 * x / speed(x) for x in blocks) / 3e9
+        measured = 0.01 * i + 0.002 + seconds
+        probes.append(probe.Probe(str(i), blocks, int(10.0 * sum(blocks)), 0.01 * i, measured))
+    passes = probe.fit(probes, speed)
+    assert passes.bandwidth == pytest.approx(3e9, rel=1e-6)
+    assert passes.step_overhead_s == pytest.approx(0.002, rel=1e-6)
+    blind = probe.fit(probes)
+    recovered = (blind.bandwidth, blind.step_overhead_s) == (
+        pytest.approx(3e9, rel=0.05),
+        pytest.approx(0.002, rel=0.05),
+    )
+    assert not recovered

@@ -171,6 +171,24 @@ def test_memory_passes_are_read_and_checked():
             from_dict(broken)
 
 
+def test_a_small_block_passes_at_its_measured_speed():
+    values = yaml.safe_load(Path("configs/clusters/cpu-sim.yaml").read_text())
+    values["device"]["memory_bandwidths"] = [["1MiB", 4.0], ["4MiB", 3.0], ["64MiB", 1.0]]
+    config = from_dict(values)
+    per_byte = lambda nbytes: timing.pass_time("grads", nbytes, config) / nbytes  # noqa: E731
+    assert per_byte(2**26) == pytest.approx(per_byte(2**27))  # flat beyond the largest buffer measured
+    assert per_byte(2**26) == pytest.approx(4 * per_byte(2**20))  # 4 GB/s against 1 at scale
+    assert per_byte(2**20) == pytest.approx(per_byte(2**10))  # no faster than the smallest measured
+    assert per_byte(2**26) > per_byte(2**23) > per_byte(2**22)
+    without = dataclasses.replace(config, memory_bandwidths=None)
+    assert timing.pass_time("grads", 2**20, without) == pytest.approx(
+        4 * timing.pass_time("grads", 2**20, config)
+    )
+    values["device"]["memory_bandwidths"] = [["1MiB", 0]]
+    with pytest.raises(ClusterConfigError, match="memory_bandwidths"):
+        from_dict(values)
+
+
 @pytest.mark.parametrize("strategy", ["p=2x1,g=4x2,os=2x1", "p=4x2,g=2x1,os=1x1"])
 def test_memory_passes_predict_the_compiled_traffic_of_a_model_and_plans_the_probes_never_ran(strategy):
     """The pass counts in cpu-sim were read off probe models under other placements; the compiled
@@ -207,7 +225,7 @@ def test_matmuls_run_at_the_rate_the_cluster_gives_their_tokens_and_dtype():
     w = llama_workload(dataclasses.replace(MODEL, attention="xla"), 64, 1, 2, remat="none")
     fast, slow = (timing.compute_times(x, rates) for x in (w, w.with_(seq_len=16, micro_batches=8)))
     # The same FLOPs per token and tokens per step; four times slower over 16 tokens at once.
-    flops = (w.flops_per_token() * w.tokens_per_device())
+    flops = w.flops_per_token() * w.tokens_per_device()
     assert fast.total == pytest.approx(flops / 4e9)
     slow_flops = w.with_(seq_len=16).flops_per_token() * 16 * 8
     assert slow.total == pytest.approx(slow_flops / 1e9)

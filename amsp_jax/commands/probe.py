@@ -19,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from amsp_jax.cluster_config import PASS_BLOCKS as BLOCKS
 
-PROBE_PLACEMENTS = ("ddp", "zero1", "zero2", "zero3", "mics", "p=1x1,g=4x1,os=4x1")
+PROBE_PLACEMENTS = ("ddp", "zero1", "zero2", "zero3", "mics", "p=1x1,g=4x1,os=4x1", "p=2x1,g=4x2,os=4x2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,12 +43,15 @@ class Probe:
 def _probe_models() -> list[tuple[Any, int]]:
     from amsp_jax.models.llama import LlamaConfig
 
-    # Two shapes with different tokens per parameter, so the activation and parameter terms separate.
+    # Shapes with different tokens per parameter, so the activation and parameter terms separate, and
+    # one small enough that a step's fixed cost is a good share of it, so the fit can see that cost.
     return [
         (LlamaConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=688,
                      max_seq_len=128, name="probe-a"), 128),
         (LlamaConfig(vocab_size=4096, dim=320, n_layers=3, n_heads=5, n_kv_heads=5, ffn_dim=864,
                      max_seq_len=32, name="probe-b"), 16),
+        (LlamaConfig(vocab_size=512, dim=96, n_layers=3, n_heads=3, n_kv_heads=1, ffn_dim=256,
+                     max_seq_len=32, name="probe-c"), 32),
     ]  # fmt: skip
 
 
@@ -114,8 +118,10 @@ class Passes:
     traffic_error: float  # largest |predicted / compiled − 1| of the probes' traffic
 
 
-def fit(probes: list[Probe]) -> Passes:
-    """Least-squares pass counts from the compiled traffic, then bandwidth and overhead from the times."""
+def fit(probes: list[Probe], speed: Callable[[float], float] = lambda nbytes: 1.0) -> Passes:
+    """Least-squares pass counts from the compiled traffic, then bandwidth and overhead from the times;
+    `speed(nbytes)`: how much faster a pass over a block of that size runs than one at scale
+    (`ClusterConfig.pass_speed`)."""
     blocks = np.array([p.blocks for p in probes])
     traffic = np.array([p.traffic for p in probes], dtype=float)
     # Nonnegative by construction: a block the fit would give a negative count gets none, and the rest refit.
@@ -128,11 +134,22 @@ def fit(probes: list[Probe]) -> Passes:
     per_byte = dict.fromkeys(BLOCKS, 0.0)
     for i, c in zip(active, counts, strict=True):
         per_byte[BLOCKS[i]] = float(c)
-    modelled = blocks @ np.array([per_byte[b] for b in BLOCKS])
+    touched = blocks * np.array([per_byte[b] for b in BLOCKS])
+    modelled = touched.sum(axis=1)
+    # The bytes the passes would touch at scale (a small block's run faster): what the times fit.
+    at_scale = (touched / np.vectorize(speed)(blocks)).sum(axis=1)
     rest = np.array([p.measured_s - p.predicted_other_s for p in probes])
+    # Relative errors count: unweighted, the slowest probes' noise would set the fixed cost, which is
+    # most of what the smallest steps have left.
+    weight = 1 / np.array([p.measured_s for p in probes])
     (overhead, seconds_per_byte), *_ = np.linalg.lstsq(
-        np.stack([np.ones_like(modelled), modelled], axis=1), rest, rcond=None
+        np.stack([weight, weight * at_scale], axis=1), weight * rest, rcond=None
     )
+    if overhead < 0:
+        # A step has no negative fixed cost: fit the passes alone (keeping the free fit's slope with
+        # the intercept dropped would price every step too high by the intercept).
+        scaled = weight * at_scale
+        overhead, seconds_per_byte = 0.0, float(scaled @ (weight * rest) / (scaled @ scaled))
     if seconds_per_byte <= 0:
         raise SystemExit(
             "amsp-jax profile: the probe steps' times do not grow with their memory passes (a busy "

@@ -6,7 +6,13 @@ at once, as in the step; with several nodes of several devices, also over both a
 `flat` table: a flat collective across nodes, which the step issues where the plan says so). A
 message size is the bytes one device sends in one collective (the x-axis of
 `amsp_jax.cluster_config`), so the buffer of an all-gather or reduce-scatter over n devices is
-size·n/(n−1) and that of an all-reduce size·n/(2(n−1)); the bus bandwidth is size / time.
+size·n/(n−1) and that of an all-reduce size·n/(2(n−1)); the bus bandwidth is size / time, the
+time being what one more collective adds to a program (`measure_collective`): a step launches once
+and runs hundreds of collectives.
+
+Memory bandwidth is read per buffer size (`memory_bandwidths`), the launch subtracted: on a CPU host
+a pass into a fresh buffer of 1 MiB per device ran 6.0 GB/s and one of 64 MiB 0.87, and the time
+model prices each of the step's blocks at its size's speed.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from typing import Any
 from amsp_jax.cluster_config import FLAT, KINDS, LEVELS, MATMUL_DTYPES, format_size, load, parse_size
 
 DEFAULT_SIZES = "64KiB,1MiB,16MiB"
+# Bytes per device of the elementwise ops the memory bandwidth is read from: the step's blocks span them.
+PASS_SIZES = (2**18, 2**20, 2**22, 2**24, 2**26)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,43 +84,70 @@ def _shape(devices: list, nodes: int | None) -> tuple[int, int]:
     return detected.nodes, detected.devices_per_node
 
 
+CHAIN = 5  # collectives in the longer of the two programs a collective's marginal time is read from
+
+
 def measure_collective(
     mesh: object, kind: str, axis: str | tuple[str, ...], size: float, repeats: int
 ) -> float:
     """Bus bandwidth (bytes/s) of `kind` over mesh axis `axis` (or several, as one group) when each
-    device sends `size` bytes."""
+    device sends `size` bytes, from the time one more collective adds to a program.
+
+    A program of one collective also pays the program's launch (about 100 us on the CPU mesh, as
+    much as a 4 KiB collective), which a step pays once, not per collective: the time is read as the
+    difference between a chain of `CHAIN` dependent collectives and a chain of one, over `CHAIN` − 1.
+    Each collective's input depends on the last one's output through an in-place update of one
+    element (so XLA neither merges nor simplifies them) and costs no pass over the buffer.
+    """
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    n = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
+    axes = (axis,) if isinstance(axis, str) else axis
+    n = math.prod(mesh.shape[a] for a in axes)
     buffer = size * n / (2 * (n - 1) if kind == "all-reduce" else (n - 1))
     elements = max(n, int(buffer // 4) // n * n)
     per_device = elements // n if kind == "all-gather" else elements
     sent = elements * 4 * (n - 1) / n * (2 if kind == "all-reduce" else 1)
 
-    def body(x: jax.Array) -> jax.Array:
+    def collective(x: jax.Array) -> jax.Array:
         if kind == "all-gather":
             return jax.lax.all_gather(x, axis, tiled=True)
         if kind == "reduce-scatter":
             return jax.lax.psum_scatter(x, axis, tiled=True)
         return jax.lax.psum(x, axis)
 
+    def chain(length: int) -> Callable[[jax.Array], jax.Array]:
+        def body(x: jax.Array) -> jax.Array:
+            for _ in range(length):
+                y = collective(x)
+                # The next input differs by device and depends on this output in one element.
+                mark = y[0] + jax.lax.axis_index(axes).astype(y.dtype)
+                x = x.at[0].set(mark) if kind != "all-reduce" else y.at[0].set(mark)
+            return x
+
+        return body
+
     everything = P(mesh.axis_names)
-    # The timed outputs are never used, so their replication typing does not matter here.
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=everything, out_specs=everything, check_vma=False))
     x = jax.device_put(jnp.ones((mesh.size * per_device,), jnp.float32), NamedSharding(mesh, everything))
-    return sent / _median_seconds(lambda: fn(x).block_until_ready(), repeats)
+    seconds = []
+    for length in (1, CHAIN):
+        fn = jax.jit(jax.shard_map(chain(length), mesh=mesh, in_specs=everything, out_specs=everything))
+        seconds.append(_median_seconds(lambda fn=fn: fn(x).block_until_ready(), repeats))
+    # Two noisy medians can differ by less than one collective takes; a collective is never
+    # cheaper than its share of the longer chain's time beyond the launch.
+    marginal = max((seconds[1] - seconds[0]) / (CHAIN - 1), seconds[1] / CHAIN / 4)
+    return sent / marginal
 
 
 def measure_compute(
     devices: list, repeats: int
-) -> tuple[float, float, dict[str, list[tuple[int, float]]]]:
+) -> tuple[float, float, dict[str, list[tuple[int, float]]], list[tuple[int, float]]]:
     """(large-matmul FLOP/s, memory bandwidth bytes/s, {dtype: [(tokens, FLOP/s of a layer's matmuls
-    over that many tokens)]}) per device with every local device busy at once, as in a step: simulated
-    CPU devices share the host's cores and memory. The large matmul in bf16 on accelerators, fp32 on
-    the CPU.
+    over that many tokens)]}, [(bytes, bandwidth of an elementwise op writing that many bytes)]) per
+    device with every local device busy at once, as in a step: simulated CPU devices share the host's
+    cores and memory. The large matmul in bf16 on accelerators, fp32 on the CPU.
 
     The sweep runs a projection's three matmuls, (tokens × width)·(width × width) forward and both
     products of its backward (the weight gradient contracts over the tokens), in each compute dtype:
@@ -156,10 +191,21 @@ def measure_compute(
     flops = forward_rate(n, n, jnp.float32 if cpu else jnp.bfloat16)
     tokens = (2, 8, 32, 128, 512, 2048)
     sweep = {dtype: [(t, layer_rate(t, n // 2, jnp.dtype(dtype))) for t in tokens] for dtype in MATMUL_DTYPES}
-    v = jax.device_put(jnp.ones((len(local) * 2**24,), jnp.float32), NamedSharding(mesh, each))
     scale = jax.jit(jax.shard_map(lambda v: v * 2.0, mesh=mesh, in_specs=each, out_specs=each))
-    bandwidth = 2 * 4 * 2**24 / _median_seconds(lambda: scale(v).block_until_ready(), repeats)
-    return flops, bandwidth, sweep
+
+    def elementwise_seconds(nbytes: int) -> float:
+        v = jax.device_put(jnp.ones((len(local) * (nbytes // 4),), jnp.float32), NamedSharding(mesh, each))
+        return _median_seconds(lambda: scale(v).block_until_ready(), repeats)
+
+    launch = elementwise_seconds(4)
+    # Read and write per device; the launch is the step's, not the pass's (a small pass would
+    # otherwise look as slow as a program).
+    memory = [
+        (nbytes, 2 * nbytes / max(seconds - launch, seconds / 4))
+        for nbytes in PASS_SIZES
+        for seconds in [elementwise_seconds(nbytes)]
+    ]
+    return flops, memory[-1][1], sweep, memory
 
 
 def _device_memory(device: object, devices: int) -> tuple[float, str]:
@@ -204,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
                 (size, measure_collective(mesh, kind, whole, size, args.repeats)) for size in sizes
             ]
             notes[FLAT] = f"measured over all {nodes * per_node} devices in one ring"
-    flops, hbm, matmuls = measure_compute(devices, args.repeats)
+    flops, hbm, matmuls, memory_rates = measure_compute(devices, args.repeats)
     memory, memory_source = _device_memory(devices[0], len(devices) // max(1, jax.process_count()))
     platform = devices[0].platform
 
@@ -230,13 +276,22 @@ def run(args: argparse.Namespace) -> int:
         f"  peak_flops: {flops:.4e}     # measured {matmul_dtype} matmul, every device at once",
         "  compute_efficiency: 1.0     # the measured matmul rate already is what the device sustains",
         f"  hbm_bandwidth: {hbm:.4e}     # measured: an elementwise op over 64 MiB per device, all at once",
+        "  memory_bandwidths:     # measured: [bytes per device, GB/s] of that op into a fresh buffer of",
+        "                         # that size, the launch of a program subtracted",
+        *(f"    - [{format_size(nbytes)}, {rate / 1e9:.4g}]" for nbytes, rate in memory_rates),
         "  matmul_rates:     # measured: [tokens, GFLOP/s] of (tokens x W) @ (W x W) and its backward,",
         "                    # W = half the square above, every device at once",
-        *(line for dtype, rows in matmuls.items()
-          for line in (f"    {dtype}:", *(f"      - [{tokens}, {rate / 1e9:.4g}]" for tokens, rate in rows))),
+        *(
+            line
+            for dtype, rows in matmuls.items()
+            for line in (f"    {dtype}:", *(f"      - [{tokens}, {rate / 1e9:.4g}]" for tokens, rate in rows))
+        ),
         "overlap:",
-        *(["  enabled: false     # XLA:CPU runs collectives as blocking rendezvous on the compute threads"]
-          if platform == "cpu" else []),
+        *(
+            ["  enabled: false     # XLA:CPU runs collectives as blocking rendezvous on the compute threads"]
+            if platform == "cpu"
+            else []
+        ),
         "  reduction_fraction: 0.5     # assumption, as in the shipped cluster configs",
         "  interference: 0.1     # assumption, as in the shipped cluster configs",
         "bandwidth:",
@@ -261,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
         from amsp_jax.commands import probe
 
         print("amsp-jax profile: probe steps for the memory passes", flush=True)
-        passes = probe.fit(probe.run_probes(config, args.repeats))
+        passes = probe.fit(probe.run_probes(config, args.repeats), config.pass_speed)
         lines += [
             "memory_passes:     # the probe steps' memory-bound kernels (amsp_jax/commands/probe.py): bytes",
             "                   # touched per byte of each block, read off the compiled programs, and the",
