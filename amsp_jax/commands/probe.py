@@ -2,13 +2,14 @@
 
 A step's memory-bound kernels (casts, gradient sinks, the optimizer update, the copies around
 collectives) read and write each state block a number of times that depends on the backend's
-fusion, not on the model. The profile compiles the real step for two probe LLaMA shapes under
+fusion, not on the model. The profile compiles the real step for three probe LLaMA shapes under
 several placements, reads the bytes those kernels touch from each compiled program
 (`amsp_jax.hlo.memory_traffic`), and solves for the bytes per byte of each block: the stored P
 block, the G block, the fp32 master, all parameters (the gathered weights and full-size gradients
 every placement handles) and the activations. Timing the same steps then gives the bandwidth those
-kernels reach while the step runs, and a fixed cost per step (dispatch, the loss reduction), once
-compute and collectives are priced with the tables just measured.
+kernels reach while the step runs (each block at its size's speed, `ClusterConfig.pass_speed`),
+and a fixed cost per step (dispatch, the loss reduction), once compute and collectives are priced
+with the tables just measured; the fit weighs each probe by its relative error.
 
 The update's passes belong to the optimizer as much as to the backend: the probes run the
 examples' AdamW chain (global-norm clipping, then AdamW), fp32 master and moments, bf16 compute.
