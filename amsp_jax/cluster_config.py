@@ -344,8 +344,9 @@ def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> Clust
         pass_bandwidth=passes["bandwidth_gbps"] * GB if passes else 0.0,
         step_overhead=passes["step_overhead_ms"] * 1e-3 if passes else 0.0,
         matmul_rates=_matmul_rates(device.get("matmul_rates"), f"{where}: device.matmul_rates"),
-        memory_bandwidths=device.get("memory_bandwidths")
-        and BandwidthTable.from_rows(device["memory_bandwidths"], f"{where}: device.memory_bandwidths"),
+        memory_bandwidths=None
+        if device.get("memory_bandwidths") is None
+        else BandwidthTable.from_rows(device["memory_bandwidths"], f"{where}: device.memory_bandwidths"),
         flat_ring=flat_ring,
     )
 

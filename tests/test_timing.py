@@ -184,9 +184,10 @@ def test_a_small_block_passes_at_its_measured_speed():
     assert timing.pass_time("grads", 2**20, without) == pytest.approx(
         4 * timing.pass_time("grads", 2**20, config)
     )
-    values["device"]["memory_bandwidths"] = [["1MiB", 0]]
-    with pytest.raises(ClusterConfigError, match="memory_bandwidths"):
-        from_dict(values)
+    for rows in ([["1MiB", 0]], []):
+        values["device"]["memory_bandwidths"] = rows
+        with pytest.raises(ClusterConfigError, match="memory_bandwidths"):
+            from_dict(values)
 
 
 @pytest.mark.parametrize("strategy", ["p=2x1,g=4x2,os=2x1", "p=4x2,g=2x1,os=1x1"])

@@ -11,7 +11,7 @@ time being what one more collective adds to a program (`measure_collective`): a 
 and runs hundreds of collectives.
 
 Memory bandwidth is read per buffer size (`memory_bandwidths`), the launch subtracted: on a CPU host
-a pass into a fresh buffer of 1 MiB per device ran 6.0 GB/s and one of 64 MiB 0.87, and the time
+a pass into a fresh buffer of 1 MiB per device ran about 6 GB/s and one of 64 MiB 0.85, and the time
 model prices each of the step's blocks at its size's speed.
 """
 
@@ -31,6 +31,7 @@ from amsp_jax.cluster_config import FLAT, KINDS, LEVELS, MATMUL_DTYPES, format_s
 DEFAULT_SIZES = "64KiB,1MiB,16MiB"
 # Bytes per device of the elementwise ops the memory bandwidth is read from: the step's blocks span them.
 PASS_SIZES = (2**18, 2**20, 2**22, 2**24, 2**26)
+CHAIN = 5  # collectives in the longer of the two programs a collective's marginal time is read from
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,9 +85,6 @@ def _shape(devices: list, nodes: int | None) -> tuple[int, int]:
     return detected.nodes, detected.devices_per_node
 
 
-CHAIN = 5  # collectives in the longer of the two programs a collective's marginal time is read from
-
-
 def measure_collective(
     mesh: object, kind: str, axis: str | tuple[str, ...], size: float, repeats: int
 ) -> float:
@@ -135,8 +133,8 @@ def measure_collective(
     for length in (1, CHAIN):
         fn = jax.jit(jax.shard_map(chain(length), mesh=mesh, in_specs=everything, out_specs=everything))
         seconds.append(_median_seconds(lambda fn=fn: fn(x).block_until_ready(), repeats))
-    # Two noisy medians can differ by less than one collective takes; a collective is never
-    # cheaper than its share of the longer chain's time beyond the launch.
+    # Two noisy medians can differ by less than one collective takes: the floor, a quarter of the
+    # longer chain's time per collective, keeps noise from making a collective free.
     marginal = max((seconds[1] - seconds[0]) / (CHAIN - 1), seconds[1] / CHAIN / 4)
     return sent / marginal
 
