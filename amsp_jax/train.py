@@ -279,10 +279,10 @@ def auto_plan(
         )  # fmt: skip
     except partitioner.PlanError as error:
         raise ConfigError(f"strategy auto: {error}") from None
-    collectives = "split at node boundaries" if chosen.hierarchical else "flat"
+    collectives = "collectives split at node boundaries" if chosen.hierarchical else "flat collectives"
     note = (
         f"auto: the partitioner's choice for {hardware.name}, M={chosen.micro_batches}, remat "
-        f"{chosen.remat}, {collectives} collectives"
+        f"{chosen.remat}, {collectives}"
     )
     return PlanChoice(
         chosen.strategy, chosen.micro_batches, chosen.remat, note, chosen.hierarchical, chosen.prefetch
