@@ -96,7 +96,8 @@ NOTES = [
     "is compiled and measured but not timed.",
     "- Step times on the CPU: the simulated devices share the host's cores and memory, a collective is "
     "a memory copy, and intra- and inter-node links are the same memory. Splitting a collective into an "
-    "intra-node and an inter-node run then only adds a pass (a 24 MiB reduce-scatter over 4 then 2 "
+    "intra-node and an inter-node run then adds a second collective and its buffer and saves nothing "
+    "(a 24 MiB reduce-scatter over 4 then 2 "
     "devices took 1.5× a flat 8-device one, an all-gather 1.2×, in a side measurement), and the "
     "explicit-prefetch layer loop that amsp_jax uses with one micro-batch buys no overlap, since the "
     "CPU backend does not overlap collectives with compute (in a side run of the 100M model, zero3 "
@@ -417,7 +418,7 @@ def run_model(
 
 def claim_row(name: str, by_name: dict[str, Any]) -> str:
     """The row a bytes claim reads: the split-collectives variant where one was timed (the planner
-    issues flat collectives where splitting only adds a pass, as on simulated CPU devices; the
+    issues flat collectives where splitting saves nothing, as on simulated CPU devices; the
     inter-node saving is the split form's)."""
     return f"{name}-split" if f"{name}-split" in by_name else name
 
