@@ -46,7 +46,7 @@ kernels reach in a running step, plus a fixed cost per step. On the CPU mesh the
 of a step: zero1's replicated fp32 gradient is what makes it slower than zero2 at equal bytes on
 the wire. Their speed depends on the block's size there: an elementwise op into a fresh 4 MiB
 buffer per device ran at 3.2 GB/s and one into 64 MiB at 0.85 (pages the kernel maps on first
-touch), one over 4 MiB in place at 31 GB/s; the profile measures that curve
+touch), the same op repeated in place over 4 MiB at 31 GB/s; the profile measures that curve
 (`memory_bandwidths`) and each block runs at its size's speed relative to the largest.
 Without measured passes only the optimizer update is priced: it reads the fp32 gradient,
 reads and writes the master and the moments and writes the compute copy, all on the OS block, at
