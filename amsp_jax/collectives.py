@@ -105,6 +105,28 @@ def make_sink(
     return attach
 
 
+@jax.custom_vjp
+def attach_full_sink(full: jax.Array, sink: jax.Array) -> jax.Array:
+    """`full`, whose gradient lands in `sink` (a zero buffer of its shape) whole, in `sink`'s dtype.
+
+    For a layer gathered once for every micro-batch (`schedule.keeps_first_layer`): its gradient is
+    summed over the micro-batches before one reduce-scatter.
+    """
+    del sink
+    return full
+
+
+def _attach_full_forward(full: jax.Array, sink: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return full, jnp.zeros((), sink.dtype)
+
+
+def _attach_full_backward(dtype_of: jax.Array, cotangent: jax.Array) -> tuple[None, jax.Array]:
+    return None, cotangent.astype(dtype_of.dtype)
+
+
+attach_full_sink.defvjp(_attach_full_forward, _attach_full_backward)
+
+
 def make_gather(
     layout: AxisPlan,
     leaf: LeafSchedule,

@@ -45,6 +45,7 @@ class LeafShape:
     regathered: bool = True  # gathered again in the backward pass (False: the backward never reads it)
     frozen: bool = False  # not trained: no gradient, no optimizer state, never refreshed
     unit: tuple[str, ...] | None = None  # the stack or block a per-layer leaf is gathered with
+    layer_stack: bool = False  # a `LayerStack`'s (its own layer loop; may keep its first layer)
 
     @property
     def size(self) -> int:
@@ -190,7 +191,7 @@ def llama_workload(
     c = config
     leaves = [LeafShape(("embed",), (c.vocab_size, c.dim), False)]
     leaves += [
-        LeafShape(("layers", "layer", name), (c.n_layers, *shape), True, unit=("layers",))
+        LeafShape(("layers", "layer", name), (c.n_layers, *shape), True, unit=("layers",), layer_stack=True)
         for name, shape in c.layer_shapes().items()
     ]
     leaves.append(LeafShape(("norm",), (c.dim,), False))
@@ -247,7 +248,7 @@ def schedule_leaf(axes: AxisPlan, workload: Workload, leaf: LeafShape) -> LeafSc
         axes, leaf.path, leaf.shape, leaf.stacked, workload.micro_batches, workload.remat,
         workload.precision.param_bytes, workload.precision.reduce_bytes, workload.implementation,
         leaf.per_layer, leaf.regathered, leaf.frozen, not workload.optimizer.communicates_on(leaf.path),
-        leaf.unit,
+        leaf.unit, leaf.layer_stack,
     )  # fmt: skip
 
 
@@ -375,7 +376,8 @@ class Memory:
         buffer laid out along the gathered dimension, then copied into place; G is dead by then.
     With micro-batches, or in the explicit-prefetch loop, the leaves outside the layers stay gathered
     through the backward; with micro-batches the accumulator sits beside one micro-batch's gradient
-    throughout. Where P is cast from the master and gathered along a
+    throughout, and a kept first layer (`schedule.keeps_first_layer`) and its fp32 gradient sums stay
+    beside both peaks of the micro-batches. Where P is cast from the master and gathered along a
     dimension other than a layer's major one, XLA keeps a transposed copy of the master block through
     the forward and backward passes. Not counted: how XLA packs buffers into its one temporary
     allocation (the compiled temporaries of the programs above are 1.0-1.3x the largest set of
@@ -471,6 +473,7 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
     g_bytes = jnp.dtype(schedule.grad_dtype(workload.micro_batches, workload.precision.reduce_dtype)).itemsize
     params = grads = master = trained_master = 0
     other_extra = other_grads = layer_full = layer_extra = layer_grad = refresh = transposed = 0
+    first_layer = 0  # a kept first layer (`schedule.keeps_first_layer`): gathered, and its fp32 sums
     stored = not schedule.params_from_master(axes.strategy)
     p_axes = set(axes.axes("params"))
     for leaf in workload.leaves:
@@ -493,6 +496,8 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
             layer_full += whole // layers * gathered_bytes
             layer_extra += (whole - p_block) // layers * gathered_bytes
             layer_grad += 0 if leaf.frozen else whole // layers * reduce_bytes
+            if scheduled.keeps_first_layer:
+                first_layer += whole // layers * (gathered_bytes + (0 if leaf.frozen else FP32))
             if not stored and leaf.stacked and any(d != 1 for a, d in split.axis_dims if a in p_axes):
                 # Cast from the master and gathered along a dimension other than a layer's major one:
                 # XLA transposes the whole fp32 master block once, before the layer loops, and keeps it
@@ -518,15 +523,18 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
         workload.micro_batches, workload.remat, layers, workload.implementation.prefetch,
         stack=not workload.looped_blocks,
     )  # fmt: skip
+    # A kept first layer is held through every micro-batch: priced with the activations, which are
+    # priced per batching, since it is the same whatever the placement.
     peaks = {
         "loss": Peak(
-            gathered=other_extra, grads=accumulation, p_with_os=transposed, activations=saved + 2 * logits
+            gathered=other_extra, grads=accumulation, p_with_os=transposed,
+            activations=saved + 2 * logits + first_layer,
         ),
         "backward": Peak(
             gathered=(3 if prefetch else 1) * layer_extra + (other_extra if accumulating or prefetch else 0),
             grads=accumulation - other_grads,
             p_with_os=transposed,
-            activations=saved + logits + full_layer + layer_grad,
+            activations=saved + logits + full_layer + layer_grad + first_layer,
         ),
         "update": Peak(opt_state=0 if workload.update_in_place else trained_master),
         "refresh": Peak(grads=-grads, p_with_os=refresh),

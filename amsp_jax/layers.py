@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -55,6 +56,8 @@ class LayerContext:
     prefetch: frozenset[tuple[str, ...]] = frozenset()  # stacks and blocks that prefetch
     blocks: dict[tuple[str, ...], StackOps] = dataclasses.field(default_factory=dict)  # by block path
     chain: Chain | None = None  # one per traced loss: how prefetching blocks pass their anchors on
+    # Per stack: its first layer's weights, gathered once per step (`schedule.keeps_first_layer`).
+    first: dict[tuple[str, ...], Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -180,22 +183,50 @@ class LayerStack(nn.Module):
                     args,
                 )
 
-        def layer(carry: jax.Array, layer_params: Any, layer_sink: Any) -> jax.Array:
+        def apply_layer(carry: jax.Array, layer_params: Any, layer_sink: Any) -> jax.Array:
             return block.apply({"params": ops.gather_with_sink(layer_params, layer_sink)}, carry, *args)
 
+        def indexed_layer(carry: jax.Array, stacked: Any, index: jax.Array, layer_sink: Any) -> jax.Array:
+            return apply_layer(carry, _layer(stacked, index), layer_sink)
+
+        def first_layer(carry: jax.Array, weights: Any) -> jax.Array:
+            return block.apply({"params": weights}, carry, *args)
+
+        layer = apply_layer
         if context.remat:
             # No CSE barrier: the scan's loops already keep the backward's re-gather and recomputation
             # apart from the forward's (JAX's documented case for prevent_cse=False), and the barrier
             # kept XLA's collective pipeliner from moving the re-gather into the previous iteration,
             # so it ran synchronous (LLaMA-7B zero3 at 1,024 A100s: 32 % of per-layer bytes with
-            # compute between start and done with it, 92 % without).
-            layer = jax.checkpoint(layer, policy=context.remat_policy, prevent_cse=False)
+            # compute between start and done with it, 92 % without). A layer outside the scan keeps it.
+            checkpoint = functools.partial(jax.checkpoint, policy=context.remat_policy)
+            layer = checkpoint(apply_layer, prevent_cse=False)
+            indexed_layer = checkpoint(indexed_layer, prevent_cse=False)
+            first_layer = checkpoint(first_layer)
 
         def body(carry: jax.Array, xs: tuple[Any, Any]) -> tuple[jax.Array, None]:
             return layer(carry, *xs), None
 
+        if path not in context.first:
+            with opaque():
+                return jax.lax.scan(body, x, (stacked, sinks))[0]
+
+        # The first layer runs on weights gathered once per step; the loop runs the others, so it starts
+        # and ends beside this layer's compute instead of with a gather and a reduce-scatter nothing can
+        # hide. The loop indexes the whole stack (its slice would be a copy of the P blocks).
+        def rest(carry: jax.Array, xs: tuple[jax.Array, Any]) -> tuple[jax.Array, None]:
+            return indexed_layer(carry, stacked, *xs), None
+
+        length = jax.tree.leaves(stacked)[0].shape[0]
         with opaque():
-            return jax.lax.scan(body, x, (stacked, sinks))[0]
+            x = first_layer(x, context.first[path])
+            later = (jnp.arange(1, length), jax.tree.map(lambda sink: sink[1:], sinks))
+            return jax.lax.scan(rest, x, later)[0]
+
+
+def _layer(tree: Any, index: jax.Array) -> Any:
+    """Layer `index` of a stacked tree."""
+    return jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, index, keepdims=False), tree)
 
 
 # ---- blocks of models written without LayerStack ------------------------------------------------

@@ -746,7 +746,7 @@ class Evaluated:
         return Plan(
             cluster, self.strategy, self.micro_batches, precision=precision, remat=self.remat,
             hierarchical=self.implementation.hierarchical, prefetch=self.implementation.prefetch,
-            memory_limit=self.memory_limit,
+            keep_first_layer=self.implementation.keep_first_layer, memory_limit=self.memory_limit,
         )  # fmt: skip
 
     @property
@@ -932,8 +932,10 @@ def make_request(
     micro_batch_size: int | None = None,
     remat: str | None = None,
     optimizer: str = "adam",
+    keep_first_layer: bool = False,
 ) -> Request:
-    """A `Request` from model/cluster configs, files or shipped names; the batch in tokens or sequences."""
+    """A `Request` from model/cluster configs, files or shipped names; the batch in tokens or sequences.
+    `keep_first_layer`: plans with micro-batches keep it (`amsp_jax.schedule.keeps_first_layer`)."""
     if not isinstance(model, LlamaConfig | ModelSpec):
         model = LlamaConfig.from_yaml(config_files.find("models", model, ModelConfigError))
     if isinstance(cluster, Cluster):
@@ -960,6 +962,7 @@ def make_request(
         micro_batch_sizes=None if micro_batch_size is None else (micro_batch_size,),
         remats=REMAT_POLICIES if remat is None else (remat,),
         optimizer=optimizer,
+        implementation=Implementation(keep_first_layer=keep_first_layer),
     )
 
 
@@ -968,11 +971,12 @@ def implementations(request: Request) -> list[Implementation]:
 
     Split (hierarchical) and flat collectives differ only where a group spans nodes. The explicit
     prefetch loop exists to overlap the next layer's gather with compute; where the cluster cannot
-    overlap collectives with compute it only adds work, so it is left off there.
+    overlap collectives with compute it only adds work, so it is left off there. Keeping the first
+    layer across micro-batches is the request's (its memory buys overlap the time model does not price).
     """
     prefetch = None if request.cluster.overlap_enabled else False
     splits = (True, False) if request.cluster.nodes > 1 else (True,)
-    return [Implementation(hierarchical, prefetch) for hierarchical in splits]
+    return [dataclasses.replace(request.implementation, hierarchical=h, prefetch=prefetch) for h in splits]
 
 
 def plan(request: Request, terms: Terms | None = None) -> Evaluated:

@@ -61,6 +61,9 @@ class Plan:
     allow_partial_nodes: bool = False
     hierarchical: bool = True
     prefetch: bool | None = None
+    # With micro-batches: gather each LayerStack's first layer once per step, sum its gradient over the
+    # micro-batches and reduce-scatter it once (`amsp_jax.schedule.keeps_first_layer`).
+    keep_first_layer: bool = False
     # Bytes per device the step may use (the planner's budget). On GPU XLA's scheduler is given the same
     # budget; without one it plans for about 76% of the device and, above that, stops overlapping
     # collectives with compute (`amsp_jax.xla.scheduler_slop_factor`).
@@ -68,8 +71,9 @@ class Plan:
 
     @property
     def implementation(self) -> Implementation:
-        """How the step issues its collectives: split at node boundaries or flat; gathering ahead."""
-        return Implementation(self.hierarchical, self.prefetch)
+        """How the step issues its collectives: split at node boundaries or flat; gathering ahead; the
+        first layer kept across micro-batches."""
+        return Implementation(self.hierarchical, self.prefetch, self.keep_first_layer)
 
     def __post_init__(self) -> None:
         if isinstance(self.precision, str):
@@ -100,4 +104,5 @@ class Plan:
             f"{'' if self.hierarchical else ', flat collectives'}"
             f"{', explicit-prefetch loop' if self.prefetch else ''}"
             f"{', no gathering ahead' if self.prefetch is False else ''}"
+            f"{', first layer kept' if self.keep_first_layer and self.micro_batches > 1 else ''}"
         )

@@ -27,6 +27,7 @@ def choose(
     dims: ModelDims | None = None,
     micro_batch_size: int | None = None,
     remat: str | None = None,
+    keep_first_layer: bool = False,
 ) -> Plan:
     """The fastest `Plan` that fits, for a Flax model (linen, or nnx behind `NnxModel`) as written.
 
@@ -34,7 +35,8 @@ def choose(
     sequence length. `global_batch` counts sequences per optimizer step. `cluster` is a
     `ClusterConfig`, a cluster YAML or shipped name, or a `Cluster` (hardware from its name's config,
     else `cpu-sim`). `layers` and `dims` as in `workload.trace`. Raises `partitioner.PlanError` when
-    nothing fits, saying what the smallest plan needs.
+    nothing fits, saying what the smallest plan needs. `keep_first_layer`: plans with micro-batches
+    keep each `LayerStack`'s first layer gathered (`Plan.keep_first_layer`), its memory counted.
     """
     spec = trace(model, example_inputs, layers, dims)
     shapes = [np.shape(x) for x in example_inputs if len(np.shape(x)) >= 2]
@@ -44,7 +46,7 @@ def choose(
         )
     request = partitioner.make_request(
         spec, cluster, nodes, seq_len=shapes[0][1], global_batch=global_batch, precision=precision,
-        micro_batch_size=micro_batch_size, remat=remat,
+        micro_batch_size=micro_batch_size, remat=remat, keep_first_layer=keep_first_layer,
     )  # fmt: skip
     chosen = partitioner.plan(request)
     return chosen.to_plan(request.cluster.cluster(), request.precision)

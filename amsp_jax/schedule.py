@@ -11,6 +11,8 @@ rules that decide what runs are here and nowhere else:
     and whether a loop of blocks chains its gathers one block ahead;
   - `accumulates`: whether the step keeps an fp32 gradient accumulator (only with several
     micro-batches), and `grad_dtype`: G held in the reduce dtype without one;
+  - `keeps_first_layer`: whether a layer stack's first layer is gathered once per step and its
+    gradient summed over the micro-batches before one reduce-scatter (`Implementation`);
   - `params_from_master`: whether P is stored or cast from the master block where it is used;
   - how a collective over axes that span nodes is issued (`Implementation.hierarchical`): split into
     runs of intra- and inter-node axes (a reduce-scatter intra first, an all-gather inter first, an
@@ -82,6 +84,21 @@ def grad_dtype(micro_batches: int, reduce_dtype: str) -> str:
     return "float32" if accumulates(micro_batches) else reduce_dtype
 
 
+def keeps_first_layer(micro_batches: int, layers: int, implementation: Implementation) -> bool:
+    """Whether a `LayerStack` of `layers` layers keeps its first layer gathered across the micro-batches.
+
+    A micro-batch's layer loop starts with the first layer's gather and ends with its gradient's
+    reduce-scatter, and nothing runs beside either: XLA's collective pipeliner peels them out of the
+    layer loop, to where the micro-batch starts and ends (compiled for 16 H100s, M = 4: they were the
+    only looped collectives with no gemm between start and done). Kept, the first layer is gathered
+    once per step with the leaves outside the layers, runs outside the loop on those weights, and its
+    gradient is summed in fp32 over the micro-batches and reduce-scattered once after them; the loop
+    then starts and ends beside the first layer's compute. It costs the gathered layer and an fp32
+    copy of it for the whole step (`amsp_jax.cost.memory`), so it is a choice, off by default.
+    """
+    return implementation.keep_first_layer and micro_batches > 1 and layers > 1
+
+
 def params_from_master(strategy: Strategy) -> bool:
     """Whether P is cast from the master where the step uses it instead of being stored: where P and OS
     have one placement (so one set of mesh axes), a device's P block is its master block in the compute
@@ -96,6 +113,7 @@ class Implementation:
 
     hierarchical: bool = True
     prefetch: bool | None = None
+    keep_first_layer: bool = False  # `keeps_first_layer`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +252,12 @@ class LeafSchedule:
     refresh_slice: tuple[str, ...]
     per_layer: bool = False  # gathered per layer (a stack's or a block's leaf), else once per step
     frozen: bool = False  # not trained: gathered, never reduced or refreshed
+    # Whether the first layer is kept (`keeps_first_layer`); then its collectives, those of `gather`
+    # and `grad_reduce` once per step (the gather with the other leaves', the reduce-scatter after the
+    # micro-batches), and the other ops count the loop's layers only.
+    keeps_first_layer: bool = False
+    first_gather: tuple[Op, ...] = ()
+    first_reduce: tuple[Op, ...] = ()
 
     @property
     def layers(self) -> int:
@@ -254,7 +278,10 @@ class LeafSchedule:
         """Every op of this leaf in one step, in step order. A frozen leaf's `refresh` runs only where a
         state is built (init, restore), never in the step."""
         refresh = () if self.frozen else self.refresh
-        return self.gather + self.regather + self.grad_reduce + self.reduction + refresh
+        return (
+            self.first_gather + self.gather + self.regather + self.grad_reduce + self.first_reduce
+            + self.reduction + refresh
+        )  # fmt: skip
 
 
 def leaf_schedule(
@@ -272,6 +299,7 @@ def leaf_schedule(
     frozen: bool = False,
     major_first: bool = True,
     unit: tuple[str, ...] | None = None,
+    layer_stack: bool = False,
 ) -> LeafSchedule:
     """The collectives the step runs for one leaf, with their executions per step.
 
@@ -285,7 +313,8 @@ def leaf_schedule(
     A `frozen` leaf is gathered as any other but has no gradient: no reduce-scatter, no reduction onto
     OS, and no refresh in the step (its P never changes). `major_first`: how the leaf is split
     (`sharding.shard_dims`). `unit`: the stack or block a per-layer leaf is gathered with (default: the
-    leaf alone), which `launches` merges by.
+    leaf alone), which `launches` merges by. `layer_stack`: the leaf is a `LayerStack`'s, whose first
+    layer the step may keep gathered (`keeps_first_layer`): then the layer loop runs the other layers.
     """
     split = leaf_layout(axes, shape, stacked, major_first)
     build = _Builder(axes, implementation.hierarchical)
@@ -293,16 +322,21 @@ def leaf_schedule(
     layers = shape[0] if stacked else 1
     layer_size = size // layers
     all_axes = axes.all_axes
+    per_layer = stacked if per_layer is None else per_layer
+    kept_first = bool(per_layer and stacked and layer_stack) and keeps_first_layer(
+        micro_batches, layers, implementation
+    )
     if split.dim is None:
         # A leaf with nothing to split (a scalar) stays whole everywhere: only its gradient is summed.
         reduction = [] if frozen else build.all_reduce(REDUCTION, all_axes, size, reduce_itemsize, 1)
-        return LeafSchedule(tuple(path), split, stacked, (), (), (), tuple(reduction), (), (), False, frozen)
+        return LeafSchedule(
+            tuple(path), split, stacked, (), (), (), tuple(reduction), (), (), False, frozen, kept_first
+        )
     largest = tuple(a for a, _ in split.axis_dims)
     dim, leaf_dims = split.dims_of(largest, int(stacked)), split.dims_of(largest)
     p_axes, g_axes, o_axes = axes.axes("params"), axes.axes("grads"), axes.axes("opt_state")
     p_block = layer_size // axes.size(p_axes)
-    per_micro_batch = layers * micro_batches
-    per_layer = stacked if per_layer is None else per_layer
+    per_micro_batch = (layers - kept_first) * micro_batches
     layer_build = dataclasses.replace(build, unit=unit or tuple(path)) if per_layer else build
     if per_layer:
         gather = layer_build.all_gather(FORWARD_GATHER, p_axes, dim, p_block, param_itemsize, per_micro_batch)
@@ -346,9 +380,16 @@ def leaf_schedule(
         refresh, refresh_slice = build.all_gather(REFRESH, extra, leaf_dims, o_block, param_itemsize, 1), ()
     else:
         refresh, refresh_slice = [], tuple(a for a in p_axes if a not in o_axes)
+    first_gather = first_reduce = ()
+    if kept_first:
+        first_gather = tuple(
+            dataclasses.replace(op, phase=OTHER_GATHER, executions=1, unit=None) for op in gather
+        )
+        first_reduce = tuple(dataclasses.replace(op, executions=1, unit=None) for op in grad_reduce)
     return LeafSchedule(
         tuple(path), split, stacked, tuple(gather), tuple(regather), tuple(grad_reduce),
-        tuple(reduction), tuple(refresh), refresh_slice, per_layer, frozen,
+        tuple(reduction), tuple(refresh), refresh_slice, per_layer, frozen, kept_first, first_gather,
+        first_reduce,
     )  # fmt: skip
 
 
@@ -433,7 +474,7 @@ def largest_gather_bytes(layers: Iterable[tuple[tuple[str, ...] | None, int]], i
 def build(
     axes: AxisPlan,
     leaves: Iterable[
-        tuple[tuple[str, ...], Sequence[int], bool, bool, bool, bool, bool, tuple[str, ...] | None]
+        tuple[tuple[str, ...], Sequence[int], bool, bool, bool, bool, bool, tuple[str, ...] | None, bool]
     ],
     micro_batches: int,
     remat: str,
@@ -442,7 +483,8 @@ def build(
     implementation: Implementation = Implementation(),
 ) -> Schedule:
     """The schedule of a step over `leaves` given as (path, shape, stacked, gathered per layer,
-    gathered again in the backward pass, frozen, split major dimension first, layer group)."""
+    gathered again in the backward pass, frozen, split major dimension first, layer group, a
+    `LayerStack`'s)."""
     knobs = (micro_batches, remat, param_itemsize, reduce_itemsize, implementation)
     scheduled = {
         tuple(path): leaf_schedule(axes, tuple(path), shape, stacked, *knobs, *flags)

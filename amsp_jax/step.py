@@ -91,6 +91,10 @@ class ParamLayout:
         """The `LayerStack` subtrees (which run their own layer scan)."""
         return tuple(s for s in self.stacks if s not in self.blocks)
 
+    def in_layer_stack(self, path: Path) -> bool:
+        """Whether `path` is a `LayerStack`'s leaf."""
+        return any(path[: len(s)] == s for s in self.layer_stacks)
+
     def replicated(self) -> list[Path]:
         """Leaves that no dimension of could be split, so every component keeps them whole."""
         return [p for p, leaf in self.leaves.items() if leaf.dim is None]
@@ -239,7 +243,7 @@ class Trainer:
             leaves = [
                 (path, leaf.shape, pl.stack_of(path) is not None, pl.per_layer(path),
                  path not in pl.backward_unused, path in pl.frozen, path not in pl.split_for_update,
-                 pl.stack_of(path) or pl.block_of(path))
+                 pl.stack_of(path) or pl.block_of(path), pl.in_layer_stack(path))
                 for path, leaf in pl.leaves.items()
             ]  # fmt: skip
             built = build_schedule(
@@ -292,6 +296,12 @@ class Trainer:
                     "from an fp32 master copy by its gradient; keep integer state out of the 'params' "
                     "collection (e.g. in a flax variable of another collection, or a constant)"
                 )
+        if self.plan.keep_first_layer and self.plan.micro_batches > 1 and not found.stacks:
+            raise TrainerError(
+                "keep_first_layer keeps a LayerStack's first layer gathered across micro-batches, and "
+                "this model has no LayerStack; build its layers with amsp_jax.LayerStack, or leave "
+                "keep_first_layer off"
+            )
         self._abstract_collections = self._find_collections(found, key, example_inputs)
         update = optimizer_cost.describe(self.optimizer, abstract)
         self.params_layout = param_layout(self.layout, found, self.frozen, update)
@@ -461,10 +471,10 @@ class Trainer:
         )(master, only_kept(previous) if kept else {})  # fmt: skip
 
     def _micro_loss(self) -> Callable[..., tuple[jax.Array, Any]]:
-        """`micro_loss(sinks, P blocks, micro-batch, rng, collections) -> (loss, (metrics, updated
-        collections))` for use inside shard_map:
-        gathers P (per layer in stacks and blocks), runs the user's loss, and routes gradients into the
-        G-shaped sinks."""
+        """`micro_loss((sinks, first-layer sinks), P blocks, first layers, micro-batch, rng, collections)
+        -> (loss, (metrics, updated collections))` for use inside shard_map: gathers P (per layer in
+        stacks and blocks), runs the user's loss, and routes gradients into the G-shaped sinks; a kept
+        first layer's (`_first_layers`) into its full-size sink."""
         layout, pl, plan, schedule = self.layout, self.params_layout, self.plan, self.schedule
         assert pl is not None
         reduce_dtype = jnp.dtype(plan.precision.reduce_dtype)
@@ -525,9 +535,10 @@ class Trainer:
             return top_sinks[path](full, sink) if path in top_sinks else full
 
         def micro_loss(
-            sinks: dict[Path, jax.Array], blocks: dict[Path, jax.Array], micro_batch: Any, rng: Any,
-            variables: Any,
+            all_sinks: tuple[dict[Path, jax.Array], dict[Path, jax.Array]], blocks: dict[Path, jax.Array],
+            first: dict[Path, jax.Array], micro_batch: Any, rng: Any, variables: Any,
         ) -> tuple[jax.Array, Any]:  # fmt: skip
+            sinks, first_sinks = all_sinks
             # Leaves outside layers: already gathered (`_gather_other_leaves`), each micro-batch
             # attaches its sink. A LayerStack's: shards (it gathers each layer). A wrapped block's:
             # (shard, sink) pairs, which its interceptor gathers call by call.
@@ -541,9 +552,21 @@ class Trainer:
                 )
                 for stack in pl.layer_stacks
             }
+            attached = {
+                p: collectives.attach_full_sink(w, first_sinks[p]) if p in first_sinks else w
+                for p, w in first.items()
+            }
+            first_weights = {
+                stack: traverse_util.unflatten_dict(
+                    {p[len(stack) :]: w for p, w in attached.items() if p[: len(stack)] == stack}
+                )
+                for stack in pl.layer_stacks
+                if any(p[: len(stack)] == stack for p in attached)
+            }
             context = LayerContext(
-                stack_ops, stack_sinks, policy, remat, frozenset(prefetching), block_ops, Chain()
-            )
+                stack_ops, stack_sinks, policy, remat, frozenset(prefetching), block_ops, Chain(),
+                first_weights,
+            )  # fmt: skip
             params = traverse_util.unflatten_dict(tree)
             args = (params, micro_batch) if self.rng_seed is None else (params, micro_batch, rng)
             kwargs = {"variables": variables} if self.collections else {}
@@ -574,6 +597,17 @@ class Trainer:
             return jax.lax.stop_gradient(full) if path in pl.frozen else full
 
         return {p: b if pl.per_layer(p) else gathered(p, b) for p, b in blocks.items()}
+
+    def _first_layers(self, blocks: dict[Path, jax.Array]) -> dict[Path, jax.Array]:
+        """The first layer of every `LayerStack` leaf that keeps it (`schedule.keeps_first_layer`),
+        gathered once for all micro-batches, as `_gather_other_leaves` gathers the other leaves."""
+        schedule = self.schedule
+        dtype = jnp.dtype(self.plan.precision.param_dtype)
+        return {
+            p: jax.lax.stop_gradient(collectives.gather_weights(self.layout, b[0], schedule.leaves[p], dtype))
+            for p, b in blocks.items()
+            if schedule.leaves[p].keeps_first_layer
+        }
 
     def _grad_dtype(self) -> jnp.dtype:
         """The dtype G is held in (`schedule.grad_dtype`)."""
@@ -636,32 +670,54 @@ class Trainer:
         ) -> tuple[Any, jax.Array, Any, Any]:
             blocks = _flatten(param_blocks)
             split = self._split_micro_batches(local_batch)
-            sinks = self._sinks(blocks)
+            first = self._first_layers(blocks)
+            # A micro-batch's first-layer gradient comes in the reduce dtype and is summed in fp32.
+            first_sinks = {
+                p: collectives.mark_varying(jnp.zeros(w.shape, reduce_dtype), all_axes)
+                for p, w in first.items()
+                if p not in pl.frozen
+            }
+            sinks = (self._sinks(blocks), first_sinks)
             blocks = self._gather_other_leaves(blocks)
             rngs = self._rngs(step)
             # Each device updates the collections with its own micro-batches, in turn.
             variables = jax.tree.map(lambda x: collectives.mark_varying(x, all_axes), variables)
 
-            def micro_step(carry: tuple[dict[Path, jax.Array], Any, Any], xs: Any) -> tuple[Any, None]:
-                accumulated, sums, variables = carry
-                (loss, (metrics, variables)), grads = value_and_grad(sinks, blocks, *xs, variables)
-                accumulated = {p: accumulated[p] + grads[p] for p in accumulated}
-                return (accumulated, jax.tree.map(jnp.add, sums, (loss, metrics)), variables), None
+            def micro_step(carry: tuple[Any, Any, Any], xs: Any) -> tuple[Any, None]:
+                (accumulated, first_sums), sums, variables = carry
+                (loss, (metrics, variables)), (grads, first_grads) = value_and_grad(
+                    sinks, blocks, first, *xs, variables
+                )
+                accumulated = jax.tree.map(jnp.add, accumulated, grads)
+                first_sums = jax.tree.map(jnp.add, first_sums, first_grads)
+                sums = jax.tree.map(jnp.add, sums, (loss, metrics))
+                return ((accumulated, first_sums), sums, variables), None
 
             if not schedule.accumulates:
                 # No accumulator: one fp32 G-sized buffer less.
                 only = jax.tree.map(lambda x: x[0], (split, rngs))
-                (loss, (metrics, variables)), accumulated = value_and_grad(sinks, blocks, *only, variables)
+                (loss, (metrics, variables)), accumulated = value_and_grad(
+                    sinks, blocks, first, *only, variables
+                )
                 sums = (loss, metrics)
             else:
-                first = jax.tree.map(lambda x: x[0], (split, rngs))
-                loss_shape, (metrics_shape, _) = jax.eval_shape(micro_loss, sinks, blocks, *first, variables)
+                one = jax.tree.map(lambda x: x[0], (split, rngs))
+                loss_shape, (metrics_shape, _) = jax.eval_shape(
+                    micro_loss, sinks, blocks, first, *one, variables
+                )
                 zeros = jax.tree.map(
                     lambda s: collectives.mark_varying(jnp.zeros(s.shape, s.dtype), all_axes),
                     (loss_shape, metrics_shape),
                 )
-                carry = (sinks, zeros, variables)
+                first_sums = {p: s.astype(jnp.float32) for p, s in first_sinks.items()}
+                carry = ((sinks[0], first_sums), zeros, variables)
                 (accumulated, sums, variables), _ = jax.lax.scan(micro_step, carry, (split, rngs))
+            accumulated, first_grads = accumulated
+            for p, full in first_grads.items():
+                # The kept first layer's gradient, summed over the micro-batches, onto G once.
+                leaf = schedule.leaves[p]
+                reduced = collectives.reduce_gradient(full, leaf, reduce_dtype, accumulated[p].dtype)
+                accumulated[p] = accumulated[p].at[0].add(reduced)
             grads = {p: to_opt_state(p, g) for p, g in accumulated.items()}
             loss, metrics = jax.tree.map(lambda x: jax.lax.psum(x, all_axes) / count, sums)
             return traverse_util.unflatten_dict(grads), loss, metrics, jax.tree.map(across_devices, variables)
@@ -684,10 +740,10 @@ class Trainer:
 
         def body(param_blocks: Any, local_batch: Any, step: jax.Array, variables: Any) -> jax.Array:
             blocks = _flatten(param_blocks)
-            sinks = self._sinks(blocks)
+            sinks = (self._sinks(blocks), {})
             blocks = self._gather_other_leaves(blocks)
             losses = jax.lax.map(
-                lambda xs: micro_loss(sinks, blocks, *xs, variables)[0],
+                lambda xs: micro_loss(sinks, blocks, {}, *xs, variables)[0],
                 (self._split_micro_batches(local_batch), self._rngs(step)),
             )
             return jax.lax.psum(losses.sum(), layout.all_axes) / count

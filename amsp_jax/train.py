@@ -85,6 +85,9 @@ class TrainConfig:
     micro_batches: int = 1
     precision: str = "mixed"
     remat: str = "full"
+    keep_first_layer: bool = False
+    """With micro-batches, gather the first layer once per step and reduce its gradient once: the layer
+    loop then starts and ends beside compute, for one gathered layer and its fp32 gradient in memory."""
     learning_rate: float = 3e-3
     warmup_steps: int = 20
     decay_steps: int | None = None
@@ -275,7 +278,7 @@ def auto_plan(
     try:
         chosen = choose(
             Llama(model), (example,), hardware, global_batch=config.global_batch, nodes=cluster.nodes,
-            precision=config.precision, dims=llama_dims(model),
+            precision=config.precision, dims=llama_dims(model), keep_first_layer=config.keep_first_layer,
         )  # fmt: skip
     except partitioner.PlanError as error:
         raise ConfigError(f"strategy auto: {error}") from None
@@ -519,7 +522,7 @@ def _setup(
     choice = choose_plan(model_config, cluster, hardware, config)
     plan = Plan(
         cluster, choice.strategy, choice.micro_batches, precision=config.precision, remat=choice.remat,
-        hierarchical=choice.hierarchical, prefetch=choice.prefetch,
+        hierarchical=choice.hierarchical, prefetch=choice.prefetch, keep_first_layer=config.keep_first_layer,
         memory_limit=None if hardware is None else hardware.memory_limit,
     )  # fmt: skip
     model = Llama(model_config)

@@ -66,7 +66,7 @@ def _leaves(layers: Layers) -> tuple[LeafShape, ...]:
         LeafShape(
             path, tuple(x.shape), under(path, stacks) is not None,
             under(path, (*stacks, *layers.blocks)) is not None, path not in unused,
-            unit=under(path, (*stacks, *layers.blocks)),
+            unit=under(path, (*stacks, *layers.blocks)), layer_stack=under(path, layers.stacks) is not None,
         )
         for path, x in flat.items()
     )

@@ -98,13 +98,14 @@ def set_up(
     remat: str = "full",
     layers: int = TINY.n_layers,
     prefetch: bool | None = None,
+    keep_first_layer: bool = False,
 ) -> aj.Trainer:
     """The set-up trainer of the tiny model (with `layers` layers) under a plan; cached, so that the
     step and audit tests of a plan share it and its one compile."""
     model = Llama(dataclasses.replace(TINY, n_layers=layers))
     plan = aj.Plan(
         CLUSTER, aj.resolve(strategy, CLUSTER), micro_batches, precision=precision, remat=remat,
-        prefetch=prefetch,
+        prefetch=prefetch, keep_first_layer=keep_first_layer,
     )  # fmt: skip
     trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model))
     trainer.setup(jax.random.key(0), train_data()[0]["inputs"])

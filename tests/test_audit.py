@@ -47,6 +47,32 @@ def test_prefetching_layer_loop_moves_the_predicted_bytes(strategy):
     assert abs(report.memory_ratio - 1) <= audit.MEMORY_TOLERANCE, report.table()
 
 
+@pytest.mark.parametrize("strategy", ["zero3", "zero2", "p=2x1,g=4x1,os=4x2"])
+def test_keeping_the_first_layer_moves_the_predicted_bytes(strategy):
+    layers, micro_batches = 4, 3
+    kept = report_for(strategy, micro_batches, layers=layers, keep_first_layer=True)
+    assert kept.bytes_match, kept.table()
+    assert kept.measured.launches_by_kind_and_level() == {
+        k: v for k, v in kept.predicted_launches().items() if any(v.values())
+    }
+    assert abs(kept.memory_ratio - 1) <= audit.MEMORY_TOLERANCE, kept.table()
+
+
+def test_keeping_the_first_layer_saves_its_gathers_and_reduce_scatters():
+    # zero3 on 8 devices: each gather or reduce-scatter of one layer moves 7/8 of it per device (fp32
+    # on the CPU's wire). Kept, the first layer is gathered once instead of twice per micro-batch and
+    # reduce-scattered once instead of once per micro-batch.
+    layers, micro_batches = 4, 3
+    layer_bytes = 4 * sum(math.prod(shape) for shape in TINY.layer_shapes().values())
+    moved = {}
+    for keep in (False, True):
+        r = report_for("zero3", micro_batches, layers=layers, keep_first_layer=keep)
+        moved[keep] = {kind: sum(v.values()) for kind, v in r.measured.bytes_by_kind_and_level().items()}
+    one_layer = layer_bytes * 7 // 8
+    assert moved[False]["all-gather"] - moved[True]["all-gather"] == (2 * micro_batches - 1) * one_layer
+    assert moved[False]["reduce-scatter"] - moved[True]["reduce-scatter"] == (micro_batches - 1) * one_layer
+
+
 def _leaf_bytes(trainer, stacked: bool) -> int:
     """fp32 bytes of one layer of every stacked leaf (stacked) or of every other leaf."""
     total = 0

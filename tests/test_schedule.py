@@ -100,6 +100,27 @@ def test_step_and_cost_model_read_one_prefetch_rule(monkeypatch):
     assert has_remat(moved) and moved_gathered == scanned_gathered
 
 
+def test_step_and_cost_model_read_one_first_layer_rule(monkeypatch):
+    # `schedule.keeps_first_layer` decides for both: turned off there, the step traces no gather of the
+    # first layer outside the loop and the cost model holds no first layer.
+    model = Llama(dataclasses.replace(TINY, n_layers=4))
+
+    def planned(keep: bool) -> tuple[int, int, list]:
+        plan = aj.Plan(CLUSTER, aj.resolve("zero3", CLUSTER), 3, precision="fp32", keep_first_layer=keep)
+        trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model))
+        trainer.setup(jax.random.key(0), train_data()[0]["inputs"])
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), train_data()[0])
+        traced = jax.make_jaxpr(trainer._train_step)(trainer.abstract_state(), batch)
+        gathers = str(traced).count("all_gather")
+        workload = audit.workload_of(trainer, train_data()[0], cost.llama_dims(model.config))
+        return gathers, cost.memory(trainer.layout, workload).total, trainer.schedule.ops()
+
+    plain, kept = planned(False), planned(True)
+    assert kept[0] > plain[0] and kept[1] > plain[1] and kept[2] != plain[2]
+    monkeypatch.setattr(schedule, "keeps_first_layer", lambda *_: False)
+    assert planned(True) == plain
+
+
 def test_schedule_is_the_cost_models_source():
     trainer, _, _ = _train("p=2x1,g=4x1,os=4x2", 3)
     workload = audit.workload_of(trainer, train_data()[0], DIMS)

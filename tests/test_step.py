@@ -65,6 +65,29 @@ def test_prefetching_layer_loop_equals_reference(data, strategy):
     assert max_relative_error(trainer.full_params(state), expected_params) < 1e-5
 
 
+@pytest.fixture(scope="module")
+def expected_four_layers(data):
+    return reference(Llama(dataclasses.replace(TINY, n_layers=4)), data, jax.random.key(0))
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "zero2", "p=2x1,g=4x1,os=4x2"])
+def test_keeping_the_first_layer_across_micro_batches_equals_reference(expected_four_layers, strategy):
+    # The first layer gathered once per step and run outside the layer loop, its gradient summed over
+    # 3 micro-batches before one reduce-scatter: the same step.
+    expected_losses, expected_params = expected_four_layers
+    trainer, state, losses = trained(strategy, 3, layers=4, keep_first_layer=True)
+    assert all(leaf.keeps_first_layer for p, leaf in trainer.schedule.leaves.items() if p[0] == "layers")
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert max_relative_error(trainer.full_params(state), expected_params) < 1e-5
+
+
+def test_keeping_the_first_layer_needs_a_layer_stack():
+    plan = aj.Plan(CLUSTER, aj.zero3(CLUSTER), 2, keep_first_layer=True)
+    trainer = aj.Trainer(plan, PlainMLP(), optimizer(), lambda params, batch: 0.0)
+    with pytest.raises(step_module.TrainerError, match="has no LayerStack; build its layers with amsp_jax"):
+        trainer.setup(jax.random.key(0), np.zeros((16, 8), np.float32))
+
+
 @pytest.mark.parametrize("strategy", ["zero3", "p=2x1,g=4x1,os=4x2", "p=4x2,g=4x1,os=1x1"])
 def test_every_state_leaf_has_its_planned_sharding(model, data, strategy):
     trainer, state, _ = trained(strategy, 1)

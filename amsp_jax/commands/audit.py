@@ -69,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: the checkpointed layer scan; loop: the explicit-prefetch loop where it applies (one "
         "micro-batch, --remat full, enough layers; else the scan); none: no gathering ahead",
     )
+    parser.add_argument(
+        "--keep-first-layer",
+        action="store_true",
+        help="with micro-batches: gather the first layer once per step, sum its gradient over the "
+        "micro-batches and reduce-scatter it once",
+    )
     parser.add_argument("--allow-partial-nodes", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--dump-hlo", metavar="FILE", help="write the compiled program's HLO text here")
@@ -106,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         allow_partial_nodes=args.allow_partial_nodes,
         hierarchical=not args.flat_collectives,
         prefetch={"auto": None, "loop": True, "none": False}[args.prefetch],
+        keep_first_layer=args.keep_first_layer,
         memory_limit=None if args.memory_limit is None else args.memory_limit * 2**30,
     )
     model = Llama(config)

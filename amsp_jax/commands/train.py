@@ -63,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume", action="store_true", default=None, help="continue from the latest checkpoint"
     )
     parser.add_argument(
+        "--keep-first-layer", action="store_true", default=None,
+        help="with micro-batches: gather the first layer once per step and reduce its gradient once",
+    )  # fmt: skip
+    parser.add_argument(
         "--no-progress", dest="progress", action="store_false", default=None, help="no progress bar"
     )
     hosts = parser.add_argument_group(
@@ -78,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     # Imported here, not above: Orbax takes most of a second to import, which `amsp-jax plan` need not pay.
     from amsp_jax.train import ConfigError, DivergedError, load_config, train
 
-    names = [*OVERRIDES, "data", "resume", "progress"]
+    names = [*OVERRIDES, "data", "resume", "progress", "keep_first_layer"]
     quiet_abandoned_reads()
     try:
         config = load_config(args.config, **{name: getattr(args, name) for name in names})
