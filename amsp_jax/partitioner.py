@@ -787,6 +787,7 @@ class Evaluated:
             "remat": self.remat,
             "collectives": "hierarchical" if self.implementation.hierarchical else "flat",
             "prefetch": self.implementation.prefetch,  # `Plan.prefetch`: None is the library's rule
+            "keep_first_layer": self.implementation.keep_first_layer,
             "step_time_s": self.estimate.time.step_s,
             "mfu": self.estimate.time.mfu,
             "tokens_per_s": self.estimate.time.tokens_per_s(self.devices),

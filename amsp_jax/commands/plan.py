@@ -54,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="adam (any element-wise optimizer: no communication of its own), adafactor, or muon on "
         "every matrix; the collectives XLA adds to the update are priced (default: adam)",
     )
+    parser.add_argument(
+        "--keep-first-layer",
+        action="store_true",
+        help="plans with micro-batches keep each layer stack's first layer gathered for the step (its "
+        "memory counted)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -117,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         micro_batch_size=args.micro_batch_size,
         remat=args.remat,
         optimizer=args.optimizer,
+        keep_first_layer=args.keep_first_layer,
     )
     start = time.perf_counter()
     terms = build_terms(request)
