@@ -35,7 +35,8 @@ Overlapped communication is not free: its kernels take SMs and HBM bandwidth fro
 run beside, so a window costs at least the cluster's `overlap.interference` × its communication.
 Since every layer is alike, the per-layer max(0, comm − compute) summed over L layers and M
 micro-batches equals max(0, total comm − total compute) of the window. The pipeline fill (the
-first layer's gather, the last layer's reduce-scatter) is not counted.
+first layer's gather, the last layer's reduce-scatter) is not counted, per micro-batch or, with
+`keep_first_layer`, once per step.
 
 Memory-bound work: where the cluster config carries measured `memory_passes` (`amsp-jax profile`
 writes them), every state block is priced by the bytes the compiled step's memory-bound kernels
