@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from amsp_jax import cost, hlo, optimizer_cost
-from amsp_jax.layers import STACK_PARAM
+from amsp_jax.layers import FIRST_LAYER_SCOPE, STACK_PARAM
 from amsp_jax.sharding import AxisPlan
 from amsp_jax.workload import trace
 from amsp_jax.xla import selects_in_place
@@ -150,11 +150,13 @@ def _parts(op_name: str) -> list[str]:
 
 
 def phase_of(op_name: str) -> str:
-    """`forward`, `backward` or `update` (after the gradient: reductions, refresh), `+`-joined if mixed."""
+    """`forward`, `backward`, `update` (after the gradient: reductions, refresh) or `first layer` (a kept
+    first layer's once-per-step gather and reduce-scatter), `+`-joined if mixed."""
     phases = {
-        "backward" if "transpose(" in part else "forward" if "jvp(" in part else "update"
+        "backward" if "transpose(" in part else "forward" if "jvp(" in part
+        else "first layer" if f"/{FIRST_LAYER_SCOPE}/" in part else "update"
         for part in _parts(op_name)
-    }
+    }  # fmt: skip
     return "+".join(sorted(phases))
 
 

@@ -33,6 +33,15 @@ import numpy as np
 from amsp_jax.layer_scan import prefetched_scan
 
 STACK_PARAM = "layer"
+# The name scope, under its stack's module path, of a kept first layer's once-per-step collectives
+# (`schedule.keeps_first_layer`): the audit tells them apart by it.
+FIRST_LAYER_SCOPE = "first_layer"
+
+
+def first_layer_scope(leaf: tuple[str, ...]) -> str:
+    """The name scope of the once-per-step collectives of a kept first layer's `leaf` (its path)."""
+    module = leaf[: leaf.index(STACK_PARAM)] if STACK_PARAM in leaf else leaf[:-1]
+    return "/".join((*map(str, module), FIRST_LAYER_SCOPE))
 Path = tuple[str, ...]
 
 

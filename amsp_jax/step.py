@@ -27,7 +27,16 @@ from jax.sharding import PartitionSpec as P
 
 from amsp_jax import collectives, gpu_target, optim_state, optimizer_cost
 from amsp_jax.errors import AmspError, one_line
-from amsp_jax.layers import Chain, LayerContext, Layers, StackOps, find_layers, layer_context, linen_blocks
+from amsp_jax.layers import (
+    Chain,
+    LayerContext,
+    Layers,
+    StackOps,
+    find_layers,
+    first_layer_scope,
+    layer_context,
+    linen_blocks,
+)
 from amsp_jax.optimizer_cost import ELEMENT_WISE, OptimizerUpdate
 from amsp_jax.plan import Plan
 from amsp_jax.schedule import LeafSchedule, Schedule, grad_dtype, largest_gather_bytes
@@ -603,11 +612,13 @@ class Trainer:
         gathered once for all micro-batches, as `_gather_other_leaves` gathers the other leaves."""
         schedule = self.schedule
         dtype = jnp.dtype(self.plan.precision.param_dtype)
-        return {
-            p: jax.lax.stop_gradient(collectives.gather_weights(self.layout, b[0], schedule.leaves[p], dtype))
-            for p, b in blocks.items()
-            if schedule.leaves[p].keeps_first_layer
-        }
+        first = {}
+        for p, b in blocks.items():
+            if schedule.leaves[p].keeps_first_layer:
+                with jax.named_scope(first_layer_scope(p)):
+                    gathered = collectives.gather_weights(self.layout, b[0], schedule.leaves[p], dtype)
+                first[p] = jax.lax.stop_gradient(gathered)
+        return first
 
     def _grad_dtype(self) -> jnp.dtype:
         """The dtype G is held in (`schedule.grad_dtype`)."""
@@ -716,7 +727,8 @@ class Trainer:
             for p, full in first_grads.items():
                 # The kept first layer's gradient, summed over the micro-batches, onto G once.
                 leaf = schedule.leaves[p]
-                reduced = collectives.reduce_gradient(full, leaf, reduce_dtype, accumulated[p].dtype)
+                with jax.named_scope(first_layer_scope(p)):
+                    reduced = collectives.reduce_gradient(full, leaf, reduce_dtype, accumulated[p].dtype)
                 accumulated[p] = accumulated[p].at[0].add(reduced)
             grads = {p: to_opt_state(p, g) for p, g in accumulated.items()}
             loss, metrics = jax.tree.map(lambda x: jax.lax.psum(x, all_axes) / count, sums)

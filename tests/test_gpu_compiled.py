@@ -294,12 +294,16 @@ def test_with_micro_batches_a_kept_first_layer_leaves_no_looped_collective_expos
     # none between start and done (per-layer bytes hidden: 78 %). With the first layer gathered once
     # per step and its gradient reduced once (`Plan(keep_first_layer=True)`), the loop starts and ends
     # beside the first layer's compute, and every one is hidden, for its memory (predicted within 10 %).
+    # What stays exposed is the first layer's one reduce-scatter after the micro-batches (99 % hidden).
     r = report("h100-sxm", "zero3", LOOPED, DEEP, False, True)
     looped = looped_overlaps(r)
     assert {c.kind for c, _, _ in looped} == {"all-gather", "reduce-scatter"}
     for c, _, o in looped:
         assert o.hidden, (c.name, c.op_name, o)
-    assert r.measured.overlap_summary()["per_layer_hidden_fraction"] == 1
+    summary = r.measured.overlap_summary()
+    assert summary["per_layer_hidden_fraction"] > 0.98
+    exposed = {e["phase"] for e in summary["exposed"] if e["phase"].startswith("per-layer")}
+    assert exposed == {"per-layer first layer"}, summary["exposed"]
     assert abs(r.memory_ratio - 1) <= 0.10, r.table()
     _check_bytes(r, LOOPED)
 
