@@ -192,26 +192,20 @@ class LayerStack(nn.Module):
                     args,
                 )
 
+        def rematted(fn: Callable[..., jax.Array], in_scan: bool = True) -> Callable[..., jax.Array]:
+            # No CSE barrier in the scan: its loops already keep the backward's re-gather and
+            # recomputation apart from the forward's (JAX's documented case for prevent_cse=False), and
+            # the barrier kept XLA's collective pipeliner from moving the re-gather into the previous
+            # iteration, so it ran synchronous (LLaMA-7B zero3 at 1,024 A100s: 32 % of per-layer bytes
+            # with compute between start and done with it, 92 % without). Outside a scan it stays.
+            if not context.remat:
+                return fn
+            return jax.checkpoint(fn, policy=context.remat_policy, prevent_cse=not in_scan)
+
         def apply_layer(carry: jax.Array, layer_params: Any, layer_sink: Any) -> jax.Array:
             return block.apply({"params": ops.gather_with_sink(layer_params, layer_sink)}, carry, *args)
 
-        def indexed_layer(carry: jax.Array, stacked: Any, index: jax.Array, layer_sink: Any) -> jax.Array:
-            return apply_layer(carry, _layer(stacked, index), layer_sink)
-
-        def first_layer(carry: jax.Array, weights: Any) -> jax.Array:
-            return block.apply({"params": weights}, carry, *args)
-
-        layer = apply_layer
-        if context.remat:
-            # No CSE barrier: the scan's loops already keep the backward's re-gather and recomputation
-            # apart from the forward's (JAX's documented case for prevent_cse=False), and the barrier
-            # kept XLA's collective pipeliner from moving the re-gather into the previous iteration,
-            # so it ran synchronous (LLaMA-7B zero3 at 1,024 A100s: 32 % of per-layer bytes with
-            # compute between start and done with it, 92 % without). A layer outside the scan keeps it.
-            checkpoint = functools.partial(jax.checkpoint, policy=context.remat_policy)
-            layer = checkpoint(apply_layer, prevent_cse=False)
-            indexed_layer = checkpoint(indexed_layer, prevent_cse=False)
-            first_layer = checkpoint(first_layer)
+        layer = rematted(apply_layer)
 
         def body(carry: jax.Array, xs: tuple[Any, Any]) -> tuple[jax.Array, None]:
             return layer(carry, *xs), None
@@ -223,6 +217,14 @@ class LayerStack(nn.Module):
         # The first layer runs on weights gathered once per step; the loop runs the others, so it starts
         # and ends beside this layer's compute instead of with a gather and a reduce-scatter nothing can
         # hide. The loop indexes the whole stack (its slice would be a copy of the P blocks).
+        @functools.partial(rematted, in_scan=False)
+        def first_layer(carry: jax.Array, weights: Any) -> jax.Array:
+            return block.apply({"params": weights}, carry, *args)
+
+        @rematted
+        def indexed_layer(carry: jax.Array, stacked: Any, index: jax.Array, layer_sink: Any) -> jax.Array:
+            return apply_layer(carry, _layer(stacked, index), layer_sink)
+
         def rest(carry: jax.Array, xs: tuple[jax.Array, Any]) -> tuple[jax.Array, None]:
             return indexed_layer(carry, stacked, *xs), None
 
