@@ -325,7 +325,10 @@ def describe_plan(trainer: Trainer) -> list[str]:
         lines.append(
             f"  {what[comp]:<44} {getattr(plan.strategy, comp)} over ({', '.join(axes) or 'replicated'})"
         )
-    lines.append(f"precision   {plan.precision.name}; remat {plan.remat}; micro-batches {plan.micro_batches}")
+    kept = "; first layer kept for the step" if plan.keep_first_layer and plan.micro_batches > 1 else ""
+    lines.append(
+        f"precision   {plan.precision.name}; remat {plan.remat}; micro-batches {plan.micro_batches}{kept}"
+    )
     sizes = {p: math.prod(leaf.shape) for p, leaf in params.leaves.items()}
     lines.append(f"parameters  {sum(sizes.values()):,} in {len(sizes)} leaves")
     replicated = params.replicated()

@@ -128,3 +128,6 @@ def test_config_files_and_overrides():
         load_config(None, stepz=3)
     with pytest.raises(ValueError, match=r"train config nowhere\.yaml does not exist"):
         load_config("nowhere.yaml")
+    assert load_config(None, keep_first_layer=True).keep_first_layer
+    with pytest.raises(ValueError, match="keep_first_layer"):
+        load_config(None, keep_first_layer="yes")
