@@ -543,6 +543,15 @@ class Trainer:
         def with_sink(path: Path, full: jax.Array, sink: jax.Array) -> jax.Array:
             return top_sinks[path](full, sink) if path in top_sinks else full
 
+        def per_stack(flat: dict[Path, Any]) -> dict[Path, Any]:
+            """`flat`'s leaves of each `LayerStack` as a tree of the stack's layer (stacks without any
+            left out)."""
+            trees = {
+                stack: {p[len(stack) :]: v for p, v in flat.items() if p[: len(stack)] == stack}
+                for stack in pl.layer_stacks
+            }
+            return {stack: traverse_util.unflatten_dict(tree) for stack, tree in trees.items() if tree}
+
         def micro_loss(
             all_sinks: tuple[dict[Path, jax.Array], dict[Path, jax.Array]], blocks: dict[Path, jax.Array],
             first: dict[Path, jax.Array], micro_batch: Any, rng: Any, variables: Any,
@@ -555,23 +564,11 @@ class Trainer:
                 p: (b, sinks[p]) if pl.block_of(p) else b if pl.per_layer(p) else with_sink(p, b, sinks[p])
                 for p, b in blocks.items()
             }
-            stack_sinks = {
-                stack: traverse_util.unflatten_dict(
-                    {p[len(stack) :]: s for p, s in sinks.items() if p[: len(stack)] == stack}
-                )
-                for stack in pl.layer_stacks
-            }
             attached = {
                 p: collectives.attach_full_sink(w, first_sinks[p]) if p in first_sinks else w
                 for p, w in first.items()
             }
-            first_weights = {
-                stack: traverse_util.unflatten_dict(
-                    {p[len(stack) :]: w for p, w in attached.items() if p[: len(stack)] == stack}
-                )
-                for stack in pl.layer_stacks
-                if any(p[: len(stack)] == stack for p in attached)
-            }
+            stack_sinks, first_weights = per_stack(sinks), per_stack(attached)
             context = LayerContext(
                 stack_ops, stack_sinks, policy, remat, frozenset(prefetching), block_ops, Chain(),
                 first_weights,
