@@ -20,6 +20,11 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import warnings
+from typing import Any
+
+import jax
 
 _MIB = 1 << 20
 # XLA's combiners compare their threshold with a combined op's result, which for a reduce-scatter is
@@ -83,6 +88,22 @@ def combine_thresholds(platform: str, layer_bytes: int = 0) -> dict[str, float]:
     }
 
 
+# XLA's analytical (GPU performance model) latencies for the scheduler instead of its fixed
+# approximations. Measured with jaxlib 0.10.2 on LLaMA-7B at 1,024 A100s
+# (benchmarks/results/gpu_compiled.md): the share of per-layer collective bytes with compute between
+# start and done rises from 66% to 85% for zero3 and from 64% to 92% for mics (zero2: 87% to 79%).
+# jaxlib 0.11.2 aborts the process in that estimator (a CHECK in CalculateLaunchDimensions on one of
+# the step's loop fusions, seen compiling LLaMA-1B on an H200), so it is asked for only before 0.11.
+ANALYTICAL_ESTIMATOR_BEFORE = (0, 11)
+
+
+def analytical_estimator() -> dict[str, object]:
+    """The analytical latency estimator's option, where this jaxlib runs it without aborting."""
+    if tuple(jax.__version_info__[:2]) >= ANALYTICAL_ESTIMATOR_BEFORE:
+        return {}
+    return {"xla_gpu_enable_analytical_latency_estimator": True}
+
+
 def gpu_options(layer_bytes: int = 0, slop_factor: int | None = None) -> dict[str, object]:
     """The GPU compiler options; the gather and all-reduce combine thresholds are at least one layer
     (`combine_thresholds`); `slop_factor` sets the scheduler's memory budget (`scheduler_slop_factor`)."""
@@ -91,11 +112,7 @@ def gpu_options(layer_bytes: int = 0, slop_factor: int | None = None) -> dict[st
     budget = {} if slop_factor is None else {"xla_gpu_memory_limit_slop_factor": slop_factor}
     return ({"xla_gpu_kernel_cache_file": cache} if cache else {}) | budget | {
         "xla_gpu_enable_latency_hiding_scheduler": True,
-        # XLA's analytical (GPU performance model) latencies for the scheduler instead of its fixed
-        # approximations. Measured on LLaMA-7B at 1,024 A100s (benchmarks/results/gpu_compiled.md): the
-        # share of per-layer collective bytes with compute between start and done rises from 66% to 85%
-        # for zero3 and from 64% to 92% for mics (zero2: 87% to 79%).
-        "xla_gpu_enable_analytical_latency_estimator": True,
+        **analytical_estimator(),
         "xla_gpu_enable_highest_priority_async_stream": True,
         "xla_gpu_enable_while_loop_double_buffering": True,
         "xla_gpu_enable_pipelined_all_gather": True,
@@ -108,10 +125,13 @@ def gpu_options(layer_bytes: int = 0, slop_factor: int | None = None) -> dict[st
 
 
 def compiler_options(
-    platform: str, layer_bytes: int = 0, slop_factor: int | None = None
+    platform: str, layer_bytes: int = 0, slop_factor: int | None = None, devices: int = 2
 ) -> dict[str, object] | None:
-    """Options for `Lowered.compile` on `platform` (None: XLA's defaults)."""
-    return gpu_options(layer_bytes, slop_factor) if platform in ("gpu", "cuda", "rocm") else None
+    """Options for `Lowered.compile` on `platform` over `devices` devices (None: XLA's defaults, as on
+    one device, which has no collective to overlap)."""
+    if platform not in ("gpu", "cuda", "rocm") or devices < 2:
+        return None
+    return gpu_options(layer_bytes, slop_factor)
 
 
 def selects_in_place(platform: str) -> bool:
@@ -123,3 +143,33 @@ def selects_in_place(platform: str) -> bool:
     alive together (100M zero3 on 8 CPU devices: 144 MiB of temporaries; 134 MiB as a branch).
     """
     return platform != "cpu"
+
+
+# XLA renames and removes its options between releases and rejects a compile that names one it does not
+# know: jaxlib 0.11.2 on an H200 rejected `xla_gpu_enable_pipelined_all_gather`, `..._reduce_scatter` and
+# `..._all_reduce`, which 0.10.2 accepts, so every GPU step failed to compile there.
+_UNKNOWN_OPTION = re.compile(r"No such compile option: '([^']+)'")
+
+
+def compile_lowered(lowered: Any, options: dict[str, object] | None) -> Any:
+    """`lowered.compile(options)`, leaving out (with a warning naming them) the options this XLA does not
+    know."""
+    options = dict(options or {})
+    dropped = []
+    while True:
+        try:
+            compiled = lowered.compile(options or None)
+        except jax.errors.JaxRuntimeError as error:
+            unknown = _UNKNOWN_OPTION.search(str(error))
+            if unknown is None or unknown.group(1) not in options:
+                raise
+            dropped.append(unknown.group(1))
+            del options[unknown.group(1)]
+            continue
+        if dropped:
+            warnings.warn(
+                f"this XLA (jaxlib {jax.__version__}) does not know the compiler options {dropped}; "
+                "compiled without them (the overlap they ask for may be on by default or gone)",
+                stacklevel=2,
+            )
+        return compiled

@@ -115,9 +115,8 @@ def peer_row(config: LlamaConfig, devices: list[jax.Device], mode: str, seq: int
     tokens = jax.ShapeDtypeStruct((cluster.num_devices, seq), jnp.int32, sharding=shardings.batch)
     layer_bytes = 2 * sum(v.size // v.shape[0] for v in jax.tree.leaves(abstract_state.master) if v.ndim == 3)
     start = time.perf_counter()
-    compiled = step_fn.lower(abstract_state, {"inputs": tokens, "targets": tokens}).compile(
-        xla.gpu_options(layer_bytes)
-    )
+    lowered = step_fn.lower(abstract_state, {"inputs": tokens, "targets": tokens})
+    compiled = xla.compile_lowered(lowered, xla.gpu_options(layer_bytes))
     seconds = time.perf_counter() - start
     # The audit needs only the mesh's device → node map, which any strategy's axis plan carries.
     measured = audit.measure(compiled, plan_axes(cluster, ddp(cluster)), ("layers",))

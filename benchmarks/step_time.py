@@ -44,7 +44,7 @@ import amsp_jax as aj
 from amsp_jax import audit, hlo
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from amsp_jax.sharding import ordered_devices
-from amsp_jax.xla import compiler_options
+from amsp_jax.xla import compile_lowered, compiler_options
 from benchmarks.peer_gspmd import CLAIM_PAIRS, build_gspmd_step, claim_violations, make_mesh, measure_peer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,7 +212,7 @@ def build_entries(
     global_batch = cluster.num_devices * micro_batches
     host_batch = make_batch(config, global_batch, seq_len)
     key = jax.random.key(0)
-    options = compiler_options(devices[0].platform)
+    options = compiler_options(devices[0].platform, devices=len(devices))
     entries: list[Entry] = []
 
     mesh = make_mesh(cluster, devices)
@@ -223,7 +223,7 @@ def build_entries(
         )
         batch = jax.device_put(host_batch, shardings.batch)
         state = abstract(jax.eval_shape(init_fn, key), shardings.state)
-        compiled = step_fn.lower(state, abstract(batch)).compile(options)
+        compiled = compile_lowered(step_fn.lower(state, abstract(batch)), options)
         measured = measure_peer(compiled, cluster)
         make_state = lambda init_fn=init_fn: init_fn(key)  # noqa: E731
         entries.append(
