@@ -1,0 +1,409 @@
+"""One GPU: MFU of a ~1B LLaMA step, and the time model's step time beside the measured one.
+
+Runs on a machine with one CUDA GPU. First `amsp-jax profile` measures the device (its bf16 matmul
+rate at the layer shapes, memory bandwidth) and writes the cluster config the time model reads; then,
+for each (micro-batches, remat) pair, the real `Trainer` step of `configs/models/llama-1b.yaml`
+(TinyLlama-1.1B's shape; mixed precision, AdamW, cuDNN flash attention) is compiled, its compiled
+memory read, and it is timed: `--warmup` untimed steps, then `--steps` timed ones, each waited for.
+The prediction is `amsp_jax.timing.estimate` with the measured config, and with the shipped
+`h100-dgx` one (datasheet peak × its assumed efficiency). MFU counts model FLOPs (Megatron-LM: 6Φ +
+12·L·H·Q·T per token, no recompute, no causal halving) over the datasheet bf16 dense peak in
+`configs/clusters/h100-dgx.yaml` (the H200 has the H100's tensor cores). Two steps of each pair
+are traced with `jax.profiler` (`--trace`), and their GPU kernel time is summed by kind (matmuls,
+attention, the rest) to say where a step's time goes; the first pair's trace is kept.
+
+Each pair's results are written as soon as they exist (`gpu_step_<card>.json` and `.md` under
+`--out`, e.g. `gpu_step_h100.md`), and no new pair starts after `--deadline-s`: the GPU lease is short.
+
+Before the pairs a child process compiles the first one with the options a multi-GPU step gets
+(`--no-options-check` skips it): an XLA that aborts on them ends only the child.
+
+Run:  XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 PYTHONPATH=. python -m benchmarks.gpu_step --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import gzip
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+import amsp_jax as aj
+from amsp_jax import audit, cost, timing, xla
+from amsp_jax.cluster_config import load
+from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
+
+ROOT = Path(__file__).resolve().parent.parent
+# M:remat[:global batch]; the first is traced. The last doubles the batch where the memory allows it.
+DEFAULT_PAIRS = "1:none,1:full,2:none,4:none,1:dots,4:full,1:none:16"
+# Kernel names by what they do, first match wins: cuBLAS/cuBLASLt and CUTLASS matmuls on Hopper
+# (sm90_xmma, nvjet, cutlass), cuDNN's fused attention, then everything else XLA emits (fusions,
+# copies, reductions, the optimizer's element-wise update).
+KERNEL_KINDS = (
+    ("attention", re.compile(r"fmha|flash|cudnn|attention", re.I)),
+    ("matmul", re.compile(r"gemm|xmma|nvjet|cutlass|cublas|matmul|dot", re.I)),
+)
+
+
+def optimizer() -> optax.GradientTransformation:
+    """The benchmarks' optax chain: global-norm clipping, then AdamW."""
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=0.1))
+
+
+def make_batch(config: LlamaConfig, global_batch: int, seq_len: int) -> dict[str, np.ndarray]:
+    """A fixed random next-token batch."""
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (global_batch, seq_len + 1), np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def card(device: Any) -> str:
+    """A short file-name tag for a device kind: `h100` for "NVIDIA H100 80GB HBM3"."""
+    kind = device.device_kind.lower()
+    found = re.search(r"\b[a-z]\d{2,3}\b", kind)
+    return found.group(0) if found else re.sub(r"[^a-z0-9]+", "-", kind).strip("-")
+
+
+def profile_device(out: Path) -> Path:
+    """Run `amsp-jax profile` on this device (compute only: one device has no collective to time)."""
+    from amsp_jax.commands import profile
+
+    path = out / f"gpu_profile_{card(jax.devices()[0])}.yaml"
+    args = argparse.Namespace(
+        out=str(path), sizes="64KiB", repeats=5, nodes=None, name="one-gpu", no_passes=True
+    )
+    profile.run(args)
+    return path
+
+
+def kernel_breakdown(trace_file: Path) -> dict[str, Any]:
+    """GPU kernel seconds of a traced run by kind, from the profiler's trace.json.gz: the events on the
+    GPU's stream lines (its module and op lines span the same kernels again)."""
+    with gzip.open(trace_file) as f:
+        events = json.load(f)["traceEvents"]
+    meta = [e for e in events if e.get("ph") == "M"]
+    gpu_pids = {e["pid"] for e in meta if e.get("name") == "process_name" and "GPU" in e["args"]["name"]}
+    lines = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in meta
+        if e.get("name") == "thread_name" and e["pid"] in gpu_pids
+    }
+    streams = {key for key, name in lines.items() if name.startswith("Stream")}
+    seconds: dict[str, float] = {}
+    by_name: dict[str, float] = {}
+    for event in events:
+        if event.get("ph") != "X" or event.get("pid") not in gpu_pids:
+            continue
+        if streams and (event["pid"], event.get("tid")) not in streams:
+            continue
+        name = event.get("name", "")
+        kind = next((k for k, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+        seconds[kind] = seconds.get(kind, 0.0) + event["dur"] * 1e-6
+        by_name[name] = by_name.get(name, 0.0) + event["dur"] * 1e-6
+    return {
+        "gpu_lines": sorted(set(lines.values())),
+        "seconds_by_kind": seconds,
+        "top_kernels": sorted(by_name.items(), key=lambda kv: -kv[1])[:30],
+    }
+
+
+def make_trainer(
+    model: Llama, host_batch: dict[str, np.ndarray], micro_batches: int, remat: str
+) -> aj.Trainer:
+    """A set-up Trainer of one pair on this process's first device."""
+    cluster = aj.Cluster(1, 1, "one-gpu")
+    plan = aj.Plan(cluster, aj.resolve("ddp", cluster), micro_batches, precision="mixed", remat=remat)
+    trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model), devices=jax.devices()[:1])
+    trainer.setup(jax.random.key(0), host_batch["inputs"])
+    return trainer
+
+
+def abstract(batch: Any) -> Any:
+    """`ShapeDtypeStruct`s of a placed batch."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
+
+
+def check_options(config: LlamaConfig, pair: str, args: argparse.Namespace) -> None:
+    """Compile `pair` with the GPU options a multi-GPU step gets (one device gets XLA's defaults) and
+    print what was kept; run in a child process, since an XLA abort ends the process."""
+    micro_batches, remat, *batch = pair.split(":")
+    host_batch = make_batch(config, int(batch[0]) if batch else args.global_batch, args.seq_len)
+    trainer = make_trainer(Llama(config), host_batch, int(micro_batches), remat)
+    lowered = trainer.lower(trainer.abstract_state(), abstract(trainer.shard_batch(host_batch)))
+    options = xla.gpu_options()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        xla.compile_lowered(lowered, options)
+    print("OPTIONS_CHECK " + json.dumps({"options": options, "warnings": [str(w.message) for w in caught]}))
+
+
+def options_check(args: argparse.Namespace) -> dict[str, Any]:
+    """`check_options` in a child process: its exit status and its last output."""
+    command = [sys.executable, "-m", "benchmarks.gpu_step", "--check-options", "--model", args.model,
+               "--pairs", args.pairs.split(",")[0], "--global-batch", str(args.global_batch),
+               "--seq-len", str(args.seq_len)]  # fmt: skip
+    environment = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
+    lines = (done.stdout + done.stderr).splitlines()
+    found = [json.loads(line.split(" ", 1)[1]) for line in lines if line.startswith("OPTIONS_CHECK ")]
+    kept = [line for line in lines if not line.startswith(("W0000", "I0000"))]
+    return {"returncode": done.returncode, "result": found[0] if found else None, "tail": kept[-12:]}
+
+
+def run_pair(
+    config: LlamaConfig,
+    model: Llama,
+    host_batch: dict[str, np.ndarray],
+    micro_batches: int,
+    remat: str,
+    hardware: dict[str, Any],
+    args: argparse.Namespace,
+) -> tuple[dict[str, Any], Any]:
+    """Compile, predict and time one (micro-batches, remat) pair; its row and (compiled, state, batch)."""
+    trainer = make_trainer(model, host_batch, micro_batches, remat)
+    key = jax.random.key(0)
+    workload = audit.workload_of(trainer, host_batch, cost.llama_dims(config))
+    predicted = {name: timing.estimate(trainer.layout, workload, hw) for name, hw in hardware.items()}
+    batch = trainer.shard_batch(host_batch)
+    abstract_batch = abstract(batch)
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = trainer.compile(trainer.abstract_state(), abstract_batch)
+    compile_s = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    text = compiled.as_text()
+    state = trainer.init(key, host_batch["inputs"])
+    losses = []
+    for _ in range(args.warmup):
+        state, metrics = compiled(state, batch)
+        losses.append(float(metrics["loss"]))
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - start)
+        losses.append(float(metrics["loss"]))
+    if not all(np.isfinite(losses)):
+        raise FloatingPointError(f"non-finite loss {losses}")
+    measured = statistics.median(times)
+    model_flops = workload.flops_per_token() * workload.tokens_per_device()
+    peak = hardware["h100-dgx (datasheet)"].peak_flops
+    row = {
+        "micro_batches": micro_batches,
+        "global_batch": len(host_batch["inputs"]),
+        "micro_batch_size": workload.micro_batch_size,
+        "remat": remat,
+        "tokens": workload.tokens_per_device(),
+        "compile_s": compile_s,
+        "compiler_warnings": [str(w.message) for w in caught],
+        "cudnn_attention": "__cudnn$fmha" in text,
+        "times_s": times,
+        "measured_s": measured,
+        "fastest_s": min(times),
+        "mfu": model_flops / measured / peak,
+        "model_tflops_per_s": model_flops / measured / 1e12,
+        "losses": losses,
+        "compiled_bytes": {
+            "arguments": memory.argument_size_in_bytes,
+            "outputs": memory.output_size_in_bytes,
+            "temporaries": memory.temp_size_in_bytes,
+            "aliased": memory.alias_size_in_bytes,
+        },
+        "predicted": {
+            name: {
+                "step_s": e.time.step_s,
+                "compute_s": e.time.compute_s,
+                "memory_s": dict(e.time.memory_s),
+                "ratio": e.time.step_s / measured,
+                "memory_bytes": e.prediction.memory.total,
+            }
+            for name, e in predicted.items()
+        },
+    }
+    return row, (compiled, state, batch)
+
+
+def trace_step(run: Any, out: Path, keep: bool) -> dict[str, Any]:
+    """Trace two steps of a compiled pair with `jax.profiler`; their GPU kernel time by kind. With
+    `keep`, the trace is copied to `gpu_trace_<card>.json.gz` under `out`."""
+    compiled, state, batch = run
+    trace_dir = out / "trace" / str(time.monotonic_ns())
+    start = time.perf_counter()
+    with jax.profiler.trace(str(trace_dir)):
+        for _ in range(2):
+            state, metrics = compiled(state, batch)
+        jax.block_until_ready((state, metrics))
+    wall = time.perf_counter() - start
+    (trace_file,) = sorted(trace_dir.rglob("*.trace.json.gz"))[-1:]
+    if keep:
+        shutil.copyfile(trace_file, out / f"gpu_trace_{card(jax.devices()[0])}.json.gz")
+    return {"steps": 2, "wall_s": wall, **kernel_breakdown(trace_file)}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as a table: per pair, measured and predicted step time, MFU, memory."""
+    lines = [
+        f"# {report['model']} on one {report['device']}",
+        "",
+        f"`{report['command']}` ({report['date']}; jax {report['jax']}). Sequences of "
+        f"{report['seq_len']} tokens, mixed precision, AdamW. MFU: model "
+        f"FLOPs over {report['peak_flops'] / 1e12:.0f} TFLOP/s.",
+        "",
+        "| batch | M | remat | measured s | fastest s | MFU | predicted s (profiled) | ratio | predicted s "
+        "(datasheet) | ratio | compiled GiB | predicted GiB | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        if "error" in row:
+            lines.append(f"| | {row['micro_batches']} | {row['remat']} | failed: {row['error']} |")
+            continue
+        profiled, datasheet = row["predicted"].values()
+        compiled = row["compiled_bytes"]
+        total = compiled["arguments"] + compiled["outputs"] + compiled["temporaries"] - compiled["aliased"]
+        lines.append(
+            f"| {row['global_batch']} | {row['micro_batches']} | {row['remat']} | "
+            f"{row['measured_s']:.4f} | {row['fastest_s']:.4f} | "
+            f"{row['mfu']:.1%} | {profiled['step_s']:.4f} | {profiled['ratio']:.2f} | "
+            f"{datasheet['step_s']:.4f} | {datasheet['ratio']:.2f} | {total / 2**30:.2f} | "
+            f"{profiled['memory_bytes'] / 2**30:.2f} | {row['compile_s']:.0f} |"
+        )
+    check = report.get("options_check")
+    if check:
+        kept = check["result"]
+        said = (
+            f"compiled; XLA warned: {kept['warnings'] or 'nothing'}"
+            if kept
+            else "failed: " + " / ".join(check["tail"][-3:])
+        )
+        lines += ["", f"The first pair compiled with the options a multi-GPU step gets (child process, exit "
+                  f"{check['returncode']}): {said}"]  # fmt: skip
+    traced = [row for row in report["rows"] if row.get("trace")]
+    if traced:
+        lines += [
+            "",
+            "GPU kernel seconds per step by kind (`jax.profiler` trace of two steps):",
+            "",
+            "| batch | M | remat | matmul | attention | other | kernels | measured step |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for row in traced:
+            kinds = {k: v / row["trace"]["steps"] for k, v in row["trace"]["seconds_by_kind"].items()}
+            lines.append(
+                f"| {row['global_batch']} | {row['micro_batches']} | {row['remat']} | "
+                + " | ".join(f"{kinds.get(k, 0.0):.4f}" for k in ("matmul", "attention", "other"))
+                + f" | {sum(kinds.values()):.4f} | {row['measured_s']:.4f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(ROOT / "configs/models/llama-1b.yaml"))
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--pairs", default=DEFAULT_PAIRS, help=f"M:remat[:batch],... ({DEFAULT_PAIRS})")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--deadline-s", type=float, default=420.0, help="start no pair after this")
+    parser.add_argument("--profile", default=None, help="a cluster YAML to use instead of profiling")
+    parser.add_argument("--trace", choices=("all", "first", "none"), default="all", help="pairs to trace")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--check-options", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--options-check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="first compile a pair with the multi-GPU options in a child process",
+    )
+    args = parser.parse_args()
+    config = LlamaConfig.from_yaml(args.model)
+    if args.check_options:
+        check_options(config, args.pairs.split(",")[0], args)
+        return 0
+    # Before this process takes the GPU: the child compiles there.
+    checked = options_check(args) if args.options_check else None
+    if checked:
+        print(
+            f"compile with amsp_jax's GPU options: exit {checked['returncode']}",
+            checked["result"],
+            flush=True,
+        )
+    began = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = jax.devices()[0]
+    print(f"jax {jax.__version__} on {device.device_kind} ({device.platform})", flush=True)
+    profiled = Path(args.profile) if args.profile else profile_device(out)
+    hardware = {
+        "profiled": load(profiled).with_shape(1, 1),
+        "h100-dgx (datasheet)": load("h100-dgx").with_shape(1, 1),
+    }
+    model = Llama(config)
+    report: dict[str, Any] = {
+        "model": config.name,
+        "parameters": config.num_params(),
+        "device": device.device_kind,
+        "jax": jax.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(["python -m benchmarks.gpu_step", *sys.argv[1:]]),
+        "global_batch": args.global_batch,
+        "seq_len": args.seq_len,
+        "peak_flops": hardware["h100-dgx (datasheet)"].peak_flops,
+        "profile": profiled.read_text(),
+        "options_check": checked,
+        "rows": [],
+    }
+
+    def write() -> None:
+        (out / f"gpu_step_{card(device)}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        (out / f"gpu_step_{card(device)}.md").write_text(markdown(report))
+
+    for index, pair in enumerate(args.pairs.split(",")):
+        if time.perf_counter() - began > args.deadline_s:
+            print(f"deadline: {pair} and later pairs skipped", flush=True)
+            break
+        micro_batches, remat, *batch = pair.split(":")
+        host_batch = make_batch(config, int(batch[0]) if batch else args.global_batch, args.seq_len)
+        try:
+            row, run = run_pair(config, model, host_batch, int(micro_batches), remat, hardware, args)
+        except Exception as error:  # one pair's failure (e.g. out of memory) must not lose the others
+            traceback.print_exc()
+            row = {"micro_batches": int(micro_batches), "remat": remat, "error": repr(error)[:300]}
+            run = None
+        report["rows"].append(row)
+        if "mfu" in row:
+            predicted = ", ".join(f"{k} {v['step_s']:.4f} s" for k, v in row["predicted"].items())
+            print(f"M={micro_batches} remat={remat}: {row['measured_s']:.4f} s, MFU {row['mfu']:.1%}, "
+                  f"predicted {predicted}", flush=True)  # fmt: skip
+        if run is not None and (args.trace == "all" or (args.trace == "first" and index == 0)):
+            try:
+                row["trace"] = trace_step(run, out, keep=index == 0)
+            except Exception:
+                traceback.print_exc()
+        write()
+        del run
+        gc.collect()
+        jax.clear_caches()
+    write()
+    print(markdown(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

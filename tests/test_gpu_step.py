@@ -1,0 +1,52 @@
+"""`benchmarks/gpu_step.py` on the CPU: the pairs run and agree, and a GPU trace is read by kind."""
+
+import gzip
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from benchmarks import gpu_step
+
+
+@pytest.mark.slow
+def test_pairs_run_and_start_from_the_same_loss(tmp_path, monkeypatch):
+    configs = gpu_step.ROOT / "configs"
+    argv = ["gpu_step", "--model", str(configs / "models/small.yaml"), "--global-batch", "4",
+            "--seq-len", "64", "--pairs", "1:none,2:full,4:dots", "--warmup", "1", "--steps", "2",
+            "--trace", "none", "--no-options-check", "--profile", str(configs / "clusters/cpu-sim.yaml"),
+            "--out", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    assert gpu_step.main() == 0
+    report = json.loads((tmp_path / "gpu_step_cpu.json").read_text())
+    rows = report["rows"]
+    assert [(r["micro_batches"], r["remat"]) for r in rows] == [(1, "none"), (2, "full"), (4, "dots")]
+    # Same parameters and batch: the first step's loss does not depend on micro-batching or remat.
+    np.testing.assert_allclose([r["losses"][0] for r in rows], rows[0]["losses"][0], rtol=1e-5)
+    assert all(r["measured_s"] > 0 and len(r["times_s"]) == 2 for r in rows)
+    assert (tmp_path / "gpu_step_cpu.md").read_text().count("| 4 | ") == 3
+
+
+def test_kernel_time_is_summed_by_kind_on_the_gpu_stream_lines_only(tmp_path):
+    gpu, host, stream, ops = 1, 2, 7, 8
+    flash = "cudnn_generated_fort_native_sdpa_sm90_flash_bprop"
+    events = [
+        {"ph": "M", "name": "process_name", "pid": gpu, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": host, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "thread_name", "pid": gpu, "tid": stream, "args": {"name": "Stream #14"}},
+        {"ph": "M", "name": "thread_name", "pid": gpu, "tid": ops, "args": {"name": "XLA Ops"}},
+        {"ph": "X", "pid": gpu, "tid": stream, "name": "nvjet_sm90_tst_256x128_NNT", "dur": 300},
+        {"ph": "X", "pid": gpu, "tid": stream, "name": "gemm_fusion_dot_102", "dur": 200},
+        {"ph": "X", "pid": gpu, "tid": stream, "name": flash, "dur": 100},
+        {"ph": "X", "pid": gpu, "tid": stream, "name": "loop_add_fusion_2", "dur": 40},
+        # The op line spans the same kernels again; the host's lines are not GPU time.
+        {"ph": "X", "pid": gpu, "tid": ops, "name": "fusion.1", "dur": 640},
+        {"ph": "X", "pid": host, "tid": 1, "name": "gemm_host_side", "dur": 999},
+    ]  # fmt: skip
+    trace = tmp_path / "t.trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = gpu_step.kernel_breakdown(trace)
+    expected = {"matmul": 500e-6, "attention": 100e-6, "other": 40e-6}
+    assert summary["seconds_by_kind"] == pytest.approx(expected)
