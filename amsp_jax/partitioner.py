@@ -418,7 +418,7 @@ def build_terms(request: Request) -> Terms:
         activations[(b, r)] = float(mem.activations)
         activation_peaks[(b, r)] = {name: float(peak.activations) for name, peak in mem.peaks.items()}
         compute[(b, r)] = timing.compute_times(w, hardware)
-        fixed_passes[(b, r)] = timing.fixed_pass_time(w.num_params, activations[(b, r)], hardware)
+        fixed_passes[(b, r)] = timing.fixed_pass_time(w.num_params, activations[(b, r)], m, hardware)
     return Terms(
         request=request,
         placements=tuple(qs),
