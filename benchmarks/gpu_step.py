@@ -33,6 +33,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -312,6 +313,55 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def other_kernel_features(
+    report: dict[str, Any], config: LlamaConfig
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """Per traced pair of a run: (fp32 weight bytes × M, one micro-batch's activation bytes × M, 1) as
+    the cost model counts them, the measured seconds of the other kernels per step, and the run's
+    profiled memory bandwidth."""
+    profile = Path(tempfile.mkdtemp()) / "profile.yaml"
+    profile.write_text(report["profile"])
+    hardware = load(profile).with_shape(1, 1)
+    model = Llama(config)
+    features, seconds = [], []
+    for row in report["rows"]:
+        if not row.get("trace"):
+            continue
+        host_batch = make_batch(config, row["global_batch"], report["seq_len"])
+        trainer = make_trainer(model, host_batch, row["micro_batches"], row["remat"])
+        workload = audit.workload_of(trainer, host_batch, cost.llama_dims(config))
+        memory = timing.estimate(trainer.layout, workload, hardware).prediction.memory
+        blocks = timing.pass_blocks(memory, workload)
+        micro_batches = row["micro_batches"]
+        features.append([micro_batches * blocks["model"], micro_batches * blocks["activations"], 1.0])
+        seconds.append(row["trace"]["seconds_by_kind"].get("other", 0.0) / row["trace"]["steps"])
+    return np.array(features), np.array(seconds), hardware.hbm_bandwidth
+
+
+def cross_fit(paths: list[str], config: LlamaConfig) -> str:
+    """Fit the other kernels' seconds of each run as passes per micro-batch over the fp32 weights and the
+    activations plus a constant, and predict every other run's at the ratio of the profiled memory
+    bandwidths: whether the form carries from one card to another."""
+    runs = {json.loads(Path(p).read_text())["device"]: json.loads(Path(p).read_text()) for p in paths}
+    data = {device: other_kernel_features(report, config) for device, report in runs.items()}
+    lines = []
+    for fitted, (features, seconds, bandwidth) in data.items():
+        coefficients, *_ = np.linalg.lstsq(features, seconds, rcond=None)
+        per_byte = coefficients[:2] * bandwidth
+        lines.append(
+            f"fitted on {fitted}: {per_byte[0]:.3g} bytes per fp32 weight byte and {per_byte[1]:.3g} per "
+            f"activation byte per micro-batch, {coefficients[2] * 1e3:.3g} ms per step; fitted/measured "
+            + " ".join(f"{r:.2f}" for r in features @ coefficients / seconds)
+        )
+        for other, (other_features, other_seconds, other_bandwidth) in data.items():
+            if other != fitted:
+                predicted = other_features @ coefficients * bandwidth / other_bandwidth
+                lines.append(
+                    f"  predicts {other}: " + " ".join(f"{r:.2f}" for r in predicted / other_seconds)
+                )
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(ROOT / "configs/models/llama-1b.yaml"))
@@ -326,6 +376,12 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--check-options", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
+        "--cross-fit",
+        nargs="+",
+        metavar="JSON",
+        help="no GPU: fit the other kernels' time of each run's traced pairs and predict the others'",
+    )
+    parser.add_argument(
         "--options-check",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -333,6 +389,9 @@ def main() -> int:
     )
     args = parser.parse_args()
     config = LlamaConfig.from_yaml(args.model)
+    if args.cross_fit:
+        print(cross_fit(args.cross_fit, config))
+        return 0
     if args.check_options:
         check_options(config, args.pairs.split(",")[0], args)
         return 0
