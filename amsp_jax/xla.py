@@ -127,10 +127,13 @@ def gpu_options(layer_bytes: int = 0, slop_factor: int | None = None) -> dict[st
 def compiler_options(
     platform: str, layer_bytes: int = 0, slop_factor: int | None = None, devices: int = 2
 ) -> dict[str, object] | None:
-    """Options for `Lowered.compile` on `platform` over `devices` devices (None: XLA's defaults, as on
-    one device, which has no collective to overlap)."""
-    if platform not in ("gpu", "cuda", "rocm") or devices < 2:
+    """Options for `Lowered.compile` on `platform` over `devices` devices (None: XLA's defaults). One
+    device has no collective to overlap: it gets only the memory budget, which XLA's rematerialization
+    reads as well."""
+    if platform not in ("gpu", "cuda", "rocm"):
         return None
+    if devices < 2:
+        return None if slop_factor is None else {"xla_gpu_memory_limit_slop_factor": slop_factor}
     return gpu_options(layer_bytes, slop_factor)
 
 

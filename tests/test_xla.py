@@ -32,8 +32,9 @@ def test_any_other_compile_error_is_raised():
         xla.compile_lowered(_lowered(), {"xla_gpu_all_gather_combine_threshold_bytes": "many"})
 
 
-def test_one_device_and_the_cpu_compile_with_xlas_defaults():
+def test_one_device_gets_only_the_memory_budget_and_the_cpu_xlas_defaults():
     assert xla.compiler_options("gpu", 1 << 26, None, devices=1) is None
+    assert xla.compiler_options("gpu", 1 << 26, 150, devices=1) == {"xla_gpu_memory_limit_slop_factor": 150}
     assert xla.compiler_options("cpu", devices=8) is None
     assert xla.compiler_options("gpu", devices=16) == xla.gpu_options()
 
