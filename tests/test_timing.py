@@ -194,21 +194,16 @@ def test_a_small_block_passes_at_its_measured_speed():
             from_dict(values)
 
 
-@pytest.mark.parametrize("strategy", ["p=2x1,g=4x2,os=2x1", "p=4x2,g=2x1,os=1x1"])
-def test_memory_passes_predict_the_compiled_traffic_of_a_model_and_plans_the_probes_never_ran(strategy):
-    """The pass counts in cpu-sim were read off probe models under other placements; the compiled
-    step of the `make demo` model under these two plans shows 17–33 % more traffic than they predict
-    (its 256-token vocabulary and 64-token sequences lie outside the probes' shapes); the bound says
-    how far the counts carry, and fails if a change to the step moves the traffic further."""
+def _demo_step(strategy: str, micro_batches: int = 1) -> tuple[aj.Trainer, dict, str, LlamaConfig]:
+    """The `make demo` model's step under `strategy` with one sequence per device and micro-batch: its
+    trainer, batch, compiled program text and model config."""
     config = LlamaConfig.from_yaml("configs/models/small.yaml")
-    hardware = load("cpu-sim")
-    trainer = aj.Trainer(
-        aj.Plan(CLUSTER, Strategy.parse(strategy), 1, precision="mixed", remat="full", hierarchical=False),
-        Llama(config),
-        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=0.1)),
-        make_loss_fn(Llama(config)),
-    )
-    tokens = np.zeros((CLUSTER.num_devices, 65), np.int32)
+    plan = aj.Plan(CLUSTER, aj.resolve(strategy, CLUSTER) if "=" not in strategy else strategy,
+                   micro_batches, precision="mixed", remat="full", hierarchical=False)  # fmt: skip
+    model = Llama(config)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=0.1))
+    trainer = aj.Trainer(plan, model, optimizer, make_loss_fn(model))
+    tokens = np.zeros((CLUSTER.num_devices * micro_batches, 65), np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     trainer.setup(jax.random.key(0), batch["inputs"])
     sharded = trainer.shard_batch(batch)
@@ -216,11 +211,22 @@ def test_memory_passes_predict_the_compiled_traffic_of_a_model_and_plans_the_pro
         trainer.abstract_state(),
         jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), sharded),
     )
+    return trainer, batch, compiled.as_text(), config
+
+
+@pytest.mark.parametrize("strategy", ["p=2x1,g=4x2,os=2x1", "p=4x2,g=2x1,os=1x1"])
+def test_memory_passes_predict_the_compiled_traffic_of_a_model_and_plans_the_probes_never_ran(strategy):
+    """The pass counts in cpu-sim were read off probe models under other placements; the compiled
+    step of the `make demo` model under these two plans shows 17–33 % more traffic than they predict
+    (its 256-token vocabulary and 64-token sequences lie outside the probes' shapes); the bound says
+    how far the counts carry, and fails if a change to the step moves the traffic further."""
+    hardware = load("cpu-sim")
+    trainer, batch, text, config = _demo_step(strategy)
     workload = audit.workload_of(trainer, batch, cost.llama_dims(config))
     memory = timing.estimate(trainer.layout, workload, hardware).prediction.memory
     blocks = timing.pass_blocks(memory, workload)
     predicted = sum(hardware.memory_passes[b] * blocks[b] for b in PASS_BLOCKS)
-    assert predicted == pytest.approx(hlo.memory_traffic(compiled.as_text()), rel=0.3)
+    assert predicted == pytest.approx(hlo.memory_traffic(text), rel=0.3)
 
 
 @pytest.mark.slow
@@ -230,27 +236,14 @@ def test_the_passes_grow_with_the_micro_batches_as_the_compiled_traffic_does(str
     compiled step's memory traffic grows about 1.8x and 3.1x from one micro-batch to two and four of the
     same size, and the passes priced for it follow (once per step, they would stay flat: 0.27x at four).
     The rest is the gradient accumulator's passes, which no probe measures yet."""
-    config = LlamaConfig.from_yaml("configs/models/small.yaml")
     # Without the bandwidth table every pass runs at one speed, so seconds × bandwidth are the bytes.
     hardware = dataclasses.replace(load("cpu-sim"), memory_bandwidths=None)
     for micro_batches in (1, 2, 4):
-        plan = aj.Plan(CLUSTER, aj.resolve(strategy, CLUSTER) if "=" not in strategy else strategy,
-                       micro_batches, precision="mixed", remat="full", hierarchical=False)  # fmt: skip
-        model = Llama(config)
-        optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=0.1))
-        trainer = aj.Trainer(plan, model, optimizer, make_loss_fn(model))
-        tokens = np.zeros((CLUSTER.num_devices * micro_batches, 65), np.int32)
-        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-        trainer.setup(jax.random.key(0), batch["inputs"])
-        sharded = trainer.shard_batch(batch)
-        compiled = trainer.compile(
-            trainer.abstract_state(),
-            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), sharded),
-        )
+        trainer, batch, text, config = _demo_step(strategy, micro_batches)
         workload = audit.workload_of(trainer, batch, cost.llama_dims(config))
         seconds = timing.estimate(trainer.layout, workload, hardware).time.memory_s
         predicted = (sum(seconds.values()) - hardware.step_overhead) * hardware.pass_bandwidth
-        assert predicted == pytest.approx(hlo.memory_traffic(compiled.as_text()), rel=0.3), micro_batches
+        assert predicted == pytest.approx(hlo.memory_traffic(text), rel=0.3), micro_batches
 
 
 def test_matmuls_run_at_the_rate_the_cluster_gives_their_tokens_and_dtype():
