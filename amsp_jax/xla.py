@@ -171,7 +171,7 @@ def compile_lowered(lowered: Any, options: dict[str, object] | None) -> Any:
             continue
         if dropped:
             warnings.warn(
-                f"this XLA (jaxlib {jax.__version__}) does not know the compiler options {dropped}; "
+                f"this XLA (jax {jax.__version__}) does not know the compiler options {dropped}; "
                 "compiled without them (the overlap they ask for may be on by default or gone)",
                 stacklevel=2,
             )

@@ -42,12 +42,12 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 
 import amsp_jax as aj
 from amsp_jax import audit, cost, timing, xla
 from amsp_jax.cluster_config import load
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
+from benchmarks.step_time import make_batch, optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
 # M:remat[:global batch]; the first is traced. The last doubles the batch where the memory allows it.
@@ -59,17 +59,6 @@ KERNEL_KINDS = (
     ("attention", re.compile(r"fmha|flash|cudnn|attention", re.I)),
     ("matmul", re.compile(r"gemm|xmma|nvjet|cutlass|cublas|matmul|dot", re.I)),
 )
-
-
-def optimizer() -> optax.GradientTransformation:
-    """The benchmarks' optax chain: global-norm clipping, then AdamW."""
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=0.1))
-
-
-def make_batch(config: LlamaConfig, global_batch: int, seq_len: int) -> dict[str, np.ndarray]:
-    """A fixed random next-token batch."""
-    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (global_batch, seq_len + 1), np.int32)
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
 def card(device: Any) -> str:
