@@ -219,7 +219,13 @@ class ClusterConfig:
         """Bus bandwidth (bytes/s) of a `kind` collective at `level` where one device sends `size` bytes."""
         table = self.bandwidth.get((kind, level))
         if table is None:
-            raise ClusterConfigError(f"cluster {self.name!r} has no bandwidth table for {kind} {level}")
+            why = (
+                " (it describes one device, which runs no collective: use a config profiled on the cluster"
+                " to plan, or a shipped one such as h100-dgx)"
+                if not self.bandwidth
+                else ""
+            )
+            raise ClusterConfigError(f"cluster {self.name!r} has no bandwidth table for {kind} {level}{why}")
         return table.at(size)
 
     def latency(self, kind: str, group: int, nodes: int) -> float:
@@ -312,7 +318,8 @@ def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> Clust
                 )
             tables[(kind, level)] = BandwidthTable.from_rows(rows, f"{where}: bandwidth.{kind}.{level}")
     missing = [f"{k}.{lv}" for k in KINDS for lv in LEVELS if (k, lv) not in tables]
-    if missing:
+    # A config of one device (a profile of one GPU) runs no collective and may measure none.
+    if missing and _number(values, "nodes", where) * _number(values, "devices_per_node", where) > 1:
         raise ClusterConfigError(f"{where}: no bandwidth table for {', '.join(missing)}")
     flat_ring = _flat_ring(values.get("flat_ring"), any(level == FLAT for _, level in tables), where)
     try:

@@ -1,14 +1,23 @@
 """`amsp-jax plan` and `amsp-jax profile` from the command line."""
 
 import json
+import subprocess
+import sys
 
+import jax
 import numpy as np
+import optax
 import pytest
+import yaml
 
+import amsp_jax as aj
+from amsp_jax import audit, cost, timing
 from amsp_jax.cli import main
-from amsp_jax.cluster_config import FLAT, KINDS, LEVELS, MATMUL_DTYPES, load
+from amsp_jax.cluster_config import FLAT, KINDS, LEVELS, MATMUL_DTYPES, ClusterConfigError, from_dict, load
 from amsp_jax.commands import probe
 from amsp_jax.commands.profile import PASS_SIZES
+from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
+from tests.train_helpers import REPO, child_env
 
 AMSP = [
     "--cluster", "configs/clusters/a800-8x-ib800.yaml", "--nodes", "128",
@@ -96,6 +105,46 @@ def test_profile_writes_a_cluster_config_the_planner_reads(tmp_path, capsys):
     assert config.pass_speed(PASS_SIZES[-1]) == pytest.approx(1.0)
     assert config.memory_passes is None and not config.overlap_enabled
     assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_profile_of_one_device_invents_no_collective_bandwidth(tmp_path):
+    """One device runs no collective: the config it writes has no bandwidth tables (they were a copied
+    1 GB/s placeholder), prices a one-device step, and says why when asked to price a collective."""
+    out = tmp_path / "one.yaml"
+    child = subprocess.run(
+        [sys.executable, "-m", "amsp_jax.cli", "profile", "--out", str(out), "--sizes", "4KiB",
+         "--repeats", "1", "--no-passes"],
+        env=child_env(1), cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert "\nbandwidth:" not in out.read_text() and "no collective measured" in child.stdout
+    config = load(out)
+    assert (config.nodes, config.devices_per_node) == (1, 1) and not config.bandwidth
+    assert config.matmul_rate(2048, "float32") > 0
+    with pytest.raises(ClusterConfigError, match="describes one device, which runs no collective"):
+        config.busbw("all-gather", "intra", 4096)
+    # It prices the step of one device, as benchmarks/gpu_step.py does with a GPU's profile.
+    model_config = LlamaConfig.from_yaml(REPO / "configs/models/tiny.yaml")
+    model = Llama(model_config)
+    cluster = aj.Cluster(1, 1)
+    trainer = aj.Trainer(aj.Plan(cluster, aj.resolve("ddp", cluster), 2), model, optax.adamw(1e-3),
+                         make_loss_fn(model), devices=jax.devices()[:1])  # fmt: skip
+    tokens = np.zeros((4, 17), np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    trainer.setup(jax.random.key(0), batch["inputs"])
+    workload = audit.workload_of(trainer, batch, cost.llama_dims(model_config))
+    assert timing.estimate(trainer.layout, workload, config).time.step_s > 0
+
+
+def test_a_config_of_several_devices_still_needs_every_bandwidth_table():
+    values = yaml.safe_load((REPO / "configs/clusters/cpu-sim.yaml").read_text())
+    del values["bandwidth"]["all-gather"]
+    with pytest.raises(ClusterConfigError, match=r"no bandwidth table for all-gather\.intra"):
+        from_dict(values)
+    values.pop("flat_ring")
+    values.update(nodes=1, devices_per_node=1, bandwidth={})
+    assert not from_dict(values).bandwidth
 
 
 def test_probe_fit_recovers_pass_counts_bandwidth_and_overhead():

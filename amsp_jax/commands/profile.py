@@ -271,7 +271,9 @@ def run(args: argparse.Namespace) -> int:
     )
     tables: dict[str, dict[str, list[tuple[float, float]]]] = {}
     notes: dict[str, str] = {}
-    for kind in KINDS:
+    # One device runs no collective: its config gets no bandwidth tables rather than invented ones, and
+    # pricing a collective with it says so (`ClusterConfig.busbw`).
+    for kind in KINDS if mesh.size > 1 else ():
         for level in LEVELS:
             if mesh.shape[level] > 1:
                 rows = [(size, measure_collective(mesh, kind, level, size, args.repeats)) for size in sizes]
@@ -331,9 +333,9 @@ def run(args: argparse.Namespace) -> int:
         ),
         "  reduction_fraction: 0.5     # assumption, as in the shipped cluster configs",
         "  interference: 0.1     # assumption, as in the shipped cluster configs",
-        "bandwidth:",
+        *(["bandwidth:"] if tables else []),
     ]
-    for kind in KINDS:
+    for kind in tables:
         lines.append(f"  {kind}:")
         for level in tables[kind]:
             lines.append(f"    {level}:     # {notes[level]}")
@@ -369,10 +371,12 @@ def run(args: argparse.Namespace) -> int:
               + ", ".join(f"{b} {c:.3g}" for b, c in passes.per_byte.items())
               + f" (compiled traffic within {passes.traffic_error:.0%})")  # fmt: skip
     print(f"amsp-jax profile: wrote {out} ({config.name}: {nodes} nodes x {per_node} {platform} devices)")
-    for kind in KINDS:
+    for kind in tables:
         for level in LEVELS:
             cells = ", ".join(f"{format_size(s)} {config.busbw(kind, level, s) / 1e9:.3g}" for s in sizes)
             print(f"  {kind:14s} {level:5s} GB/s: {cells}")
+    if not tables:
+        print("  no collective measured (one device): plan a cluster with a config profiled on it")
     print(
         f"  matmul {flops / 1e9:.3g} GFLOP/s, memory {hbm / 1e9:.3g} GB/s, "
         f"{memory / 2**30:.1f} GiB per device"
