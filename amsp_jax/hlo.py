@@ -763,6 +763,36 @@ def memory_traffic(hlo_text: str) -> int:
                 or (ins.opcode == "fusion" and _names(ins.attrs.get("calls", ""))[0] in matrix)
             ):
                 continue
-            touched = _array_bytes(ins.shape) + sum(_operand_bytes(o, body, ins.name) for o in ins.operands)
+            read = sum(_read_bytes(ins, k, body, computations) for k in range(len(ins.operands)))
+            touched = _array_bytes(ins.shape) + read
             total += counts[name] * (touched - _in_place_update(ins, computations))
     return total
+
+
+_SLICING_OPCODES = {"dynamic-slice", "slice"}
+
+
+def _read_bytes(
+    ins: _Instruction,
+    index: int,
+    body: Mapping[str, _Instruction],
+    computations: Mapping[str, Mapping[str, _Instruction]],
+) -> int:
+    """Bytes a kernel reads of its operand `index`: the whole operand, or only the slices it takes where
+    every use of the operand slices it (a layer loop reads one layer of a stacked buffer per trip; counted
+    whole, a 1.1B LLaMA's step on an H100 touched 1.6 TB instead of 0.36)."""
+    whole = _operand_bytes(ins.operands[index], body, ins.name)
+    if ins.opcode in _SLICING_OPCODES and index == 0:
+        return _array_bytes(ins.shape)
+    if ins.opcode != "fusion":
+        return whole
+    fused = computations.get(_names(ins.attrs.get("calls", ""))[0], {})
+    parameter = next(
+        (f.name for f in fused.values() if f.opcode == "parameter" and f.operands == (str(index),)), None
+    )
+    uses = [f for f in fused.values() if any(_operand_name(o) == parameter for o in f.operands)]
+    if parameter is None or not uses:
+        return whole
+    if all(u.opcode in _SLICING_OPCODES and _operand_name(u.operands[0]) == parameter for u in uses):
+        return sum(_array_bytes(u.shape) for u in uses)
+    return whole

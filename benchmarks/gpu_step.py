@@ -42,11 +42,13 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 import amsp_jax as aj
-from amsp_jax import audit, cost, timing, xla
+from amsp_jax import audit, cost, gpu_target, hlo, timing, xla
 from amsp_jax.cluster_config import load
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
+from amsp_jax.sharding import batch_spec
 from benchmarks.step_time import make_batch, optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,12 +114,13 @@ def kernel_breakdown(trace_file: Path) -> dict[str, Any]:
 
 
 def make_trainer(
-    model: Llama, host_batch: dict[str, np.ndarray], micro_batches: int, remat: str
+    model: Llama, host_batch: dict[str, np.ndarray], micro_batches: int, remat: str, device: Any = None
 ) -> aj.Trainer:
-    """A set-up Trainer of one pair on this process's first device."""
+    """A set-up Trainer of one pair on `device` (default: this process's first)."""
     cluster = aj.Cluster(1, 1, "one-gpu")
     plan = aj.Plan(cluster, aj.resolve("ddp", cluster), micro_batches, precision="mixed", remat=remat)
-    trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model), devices=jax.devices()[:1])
+    devices = [device or jax.devices()[0]]
+    trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model), devices=devices)
     trainer.setup(jax.random.key(0), host_batch["inputs"])
     return trainer
 
@@ -351,6 +354,37 @@ def cross_fit(paths: list[str], config: LlamaConfig) -> str:
     return "\n".join(lines)
 
 
+def traffic_check(paths: list[str], config: LlamaConfig, target: str = "h100-sxm") -> str:
+    """For every traced pair of each run: the bytes its memory-bound kernels touch in the step compiled
+    here for one GPU of `target` (`hlo.memory_traffic`), over the other kernels' measured seconds: the
+    bandwidth they ran at. One bandwidth per card for every pair means the compiled traffic prices
+    them."""
+    device = gpu_target.topology(target, 1, 1)[0]
+    model = Llama(config)
+    lines = []
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        rates = []
+        for row in report["rows"]:
+            if not row.get("trace"):
+                continue
+            host_batch = make_batch(config, row["global_batch"], report["seq_len"])
+            trainer = make_trainer(model, host_batch, row["micro_batches"], row["remat"], device)
+            spec = NamedSharding(trainer.layout.mesh, batch_spec(trainer.layout, 2))
+            batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=spec) for k, v in host_batch.items()}
+            traffic = hlo.memory_traffic(trainer.compile(trainer.abstract_state(), batch).as_text())
+            seconds = row["trace"]["seconds_by_kind"].get("other", 0.0) / row["trace"]["steps"]
+            rates.append(traffic / seconds)
+            lines.append(
+                f"{report['device']}: batch {row['global_batch']}, M={row['micro_batches']}, "
+                f"remat={row['remat']}: {traffic / 1e9:.0f} GB in {seconds * 1e3:.1f} ms, "
+                f"{rates[-1] / 1e12:.2f} TB/s"
+            )
+        spread = f"{min(rates) / 1e12:.2f}-{max(rates) / 1e12:.2f} TB/s"
+        lines.append(f"{report['device']}: {spread} over {len(rates)} pairs")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(ROOT / "configs/models/llama-1b.yaml"))
@@ -364,6 +398,13 @@ def main() -> int:
     parser.add_argument("--trace", choices=("all", "first", "none"), default="all", help="pairs to trace")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--check-options", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--traffic",
+        nargs="+",
+        metavar="JSON",
+        help="no GPU: compile each run's traced pairs for an H100 here and divide their memory traffic by "
+        "the other kernels' measured time",
+    )
     parser.add_argument(
         "--cross-fit",
         nargs="+",
@@ -380,6 +421,9 @@ def main() -> int:
     config = LlamaConfig.from_yaml(args.model)
     if args.cross_fit:
         print(cross_fit(args.cross_fit, config))
+        return 0
+    if args.traffic:
+        print(traffic_check(args.traffic, config))
         return 0
     if args.check_options:
         check_options(config, args.pairs.split(",")[0], args)

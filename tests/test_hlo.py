@@ -697,3 +697,19 @@ def test_memory_traffic_counts_an_in_place_update_by_its_slice():
     # temporary of its own), never the whole 4 MiB buffer.
     traffic = {trips: _traffic(updates(trips), buffer, row, donate_argnums=0) for trips in (4, 8)}
     assert 4 * 2 * 2**18 <= traffic[8] - traffic[4] < 4 * 4 * 2**18
+
+
+def test_memory_traffic_counts_a_slice_of_a_stacked_buffer_by_the_slice():
+    stack = jnp.ones((16, 2**16), jnp.float32)  # 4 MiB: 16 rows of 256 KiB
+
+    def reads(trips):
+        def fn(stack):
+            step = lambda i, acc: acc + jax.lax.dynamic_index_in_dim(stack, i, keepdims=False) * 2.0  # noqa: E731
+            return jax.lax.fori_loop(0, trips, step, jnp.zeros((2**16,), jnp.float32))
+
+        return fn
+
+    # A trip reads one row of the stack and the carry and writes the carry: 3 × 256 KiB, never the
+    # whole 4 MiB stack (a layer loop reads one layer of its stacked weights per trip).
+    extra = _traffic(reads(8), stack) - _traffic(reads(4), stack)
+    assert 4 * 3 * 2**18 <= extra < 4 * 4 * 2**18
