@@ -152,11 +152,17 @@ def selects_in_place(platform: str) -> bool:
 # know: jaxlib 0.11.2 on an H200 rejected `xla_gpu_enable_pipelined_all_gather`, `..._reduce_scatter` and
 # `..._all_reduce`, which 0.10.2 accepts, so every GPU step failed to compile there.
 _UNKNOWN_OPTION = re.compile(r"No such compile option: '([^']+)'")
+# Compile failures one of our options causes inside XLA, by a phrase of the error, and that option.
+# jaxlib 0.10.2, H100 target, a LLaMA of width 256 under zero2 with two micro-batches: while-loop double
+# buffering clones a Triton gemm fusion after its tiling was chosen, and the clone has none.
+_FAILS_WITH = {
+    "Block level fusion config is required for Triton fusions": "xla_gpu_enable_while_loop_double_buffering",
+}
 
 
 def compile_lowered(lowered: Any, options: dict[str, object] | None) -> Any:
     """`lowered.compile(options)`, leaving out (with a warning naming them) the options this XLA does not
-    know."""
+    know or fails to compile this program with."""
     options = dict(options or {})
     dropped = []
     while True:
@@ -164,15 +170,22 @@ def compile_lowered(lowered: Any, options: dict[str, object] | None) -> Any:
             compiled = lowered.compile(options or None)
         except jax.errors.JaxRuntimeError as error:
             unknown = _UNKNOWN_OPTION.search(str(error))
-            if unknown is None or unknown.group(1) not in options:
+            culprit = unknown.group(1) if unknown else _culprit(str(error))
+            if culprit is None or culprit not in options:
                 raise
-            dropped.append(unknown.group(1))
-            del options[unknown.group(1)]
+            dropped.append(culprit)
+            del options[culprit]
             continue
         if dropped:
             warnings.warn(
-                f"this XLA (jax {jax.__version__}) does not know the compiler options {dropped}; "
-                "compiled without them (the overlap they ask for may be on by default or gone)",
+                f"this XLA (jax {jax.__version__}) does not know, or fails to compile this step with, the "
+                f"compiler options {dropped}; compiled without them (the overlap they ask for may be on "
+                "by default, or less)",
                 stacklevel=2,
             )
         return compiled
+
+
+def _culprit(error: str) -> str | None:
+    """The option of ours behind an XLA compile failure we know (`_FAILS_WITH`), else None."""
+    return next((option for phrase, option in _FAILS_WITH.items() if phrase in error), None)

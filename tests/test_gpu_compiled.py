@@ -395,3 +395,16 @@ def test_a_loop_of_blocks_issues_the_counted_collectives(style, strategy, micro_
     assert r.bytes_match, r.table()
     assert _nonzero(r.measured.launches_by_kind_and_level()) == _nonzero(r.predicted_launches())
     assert r.measured.launches_by_kind_and_level()["reduce-scatter"]["inter"] == micro_batches
+
+
+@needs_compiler
+def test_a_step_xla_fails_to_double_buffer_compiles_without_double_buffering():
+    """XLA 0.10.2 fails this plan for an H100 with while-loop double buffering on ("Block level fusion
+    config is required for Triton fusions": the loop's clone of a Triton gemm fusion has no tiling); the
+    step compiles without that option, says so, and its bytes are still the predicted ones."""
+    wide = LlamaConfig(
+        vocab_size=2048, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=688, max_seq_len=128
+    )
+    with pytest.warns(UserWarning, match="xla_gpu_enable_while_loop_double_buffering"):
+        r = report("h100-sxm", "zero2", 2, config=wide)
+    assert r.bytes_match
