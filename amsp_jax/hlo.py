@@ -731,7 +731,8 @@ def memory_traffic(hlo_text: str) -> int:
 
     Every kernel that runs — a fusion without a dot or convolution, a copy, convert, broadcast or other
     elementwise op — counts its operands and its result once per execution (loop trip counts applied);
-    a dynamic-update-slice counts only its update, since it writes in place. Matrix work, collectives
+    of an operand it only slices, only the slices (`_read_bytes`); a dynamic-update-slice counts only
+    its update, since it writes in place. Matrix work, collectives
     and bookkeeping (tuples, parameters, bitcasts) are left out: the time model prices them apart.
     It is what a device's memory passes cost on a backend that runs each kernel from memory (XLA:CPU).
     """
