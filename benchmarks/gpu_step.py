@@ -33,7 +33,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -42,14 +41,15 @@ from typing import Any
 
 import jax
 import numpy as np
+import yaml
 from jax.sharding import NamedSharding
 
 import amsp_jax as aj
 from amsp_jax import audit, cost, gpu_target, hlo, timing, xla
-from amsp_jax.cluster_config import load
+from amsp_jax.cluster_config import from_dict, load
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from amsp_jax.sharding import batch_spec
-from benchmarks.step_time import make_batch, optimizer
+from benchmarks.step_time import abstract, make_batch, optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
 # M:remat[:global batch]; the first is traced. The last doubles the batch where the memory allows it.
@@ -125,14 +125,9 @@ def make_trainer(
     return trainer
 
 
-def abstract(batch: Any) -> Any:
-    """`ShapeDtypeStruct`s of a placed batch."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
-
-
 def check_options(config: LlamaConfig, pair: str, args: argparse.Namespace) -> None:
-    """Compile `pair` with the GPU options a multi-GPU step gets (one device gets XLA's defaults) and
-    print what was kept; run in a child process, since an XLA abort ends the process."""
+    """Compile `pair` with the GPU options a multi-GPU step gets (one device gets only the memory budget)
+    and print what was kept; run in a child process, since an XLA abort ends the process."""
     micro_batches, remat, *batch = pair.split(":")
     host_batch = make_batch(config, int(batch[0]) if batch else args.global_batch, args.seq_len)
     trainer = make_trainer(Llama(config), host_batch, int(micro_batches), remat)
@@ -311,9 +306,7 @@ def other_kernel_features(
     """Per traced pair of a run: (fp32 weight bytes × M, one micro-batch's activation bytes × M, 1) as
     the cost model counts them, the measured seconds of the other kernels per step, and the run's
     profiled memory bandwidth."""
-    profile = Path(tempfile.mkdtemp()) / "profile.yaml"
-    profile.write_text(report["profile"])
-    hardware = load(profile).with_shape(1, 1)
+    hardware = from_dict(yaml.safe_load(report["profile"])).with_shape(1, 1)
     model = Llama(config)
     features, seconds = [], []
     for row in report["rows"]:
@@ -334,7 +327,7 @@ def cross_fit(paths: list[str], config: LlamaConfig) -> str:
     """Fit the other kernels' seconds of each run as passes per micro-batch over the fp32 weights and the
     activations plus a constant, and predict every other run's at the ratio of the profiled memory
     bandwidths: whether the form carries from one card to another."""
-    runs = {json.loads(Path(p).read_text())["device"]: json.loads(Path(p).read_text()) for p in paths}
+    runs = {report["device"]: report for report in (json.loads(Path(p).read_text()) for p in paths)}
     data = {device: other_kernel_features(report, config) for device, report in runs.items()}
     lines = []
     for fitted, (features, seconds, bandwidth) in data.items():
@@ -371,7 +364,7 @@ def traffic_check(paths: list[str], config: LlamaConfig, target: str = "h100-sxm
             host_batch = make_batch(config, row["global_batch"], report["seq_len"])
             trainer = make_trainer(model, host_batch, row["micro_batches"], row["remat"], device)
             spec = NamedSharding(trainer.layout.mesh, batch_spec(trainer.layout, 2))
-            batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=spec) for k, v in host_batch.items()}
+            batch = abstract(host_batch, {k: spec for k in host_batch})
             traffic = hlo.memory_traffic(trainer.compile(trainer.abstract_state(), batch).as_text())
             seconds = row["trace"]["seconds_by_kind"].get("other", 0.0) / row["trace"]["steps"]
             rates.append(traffic / seconds)
