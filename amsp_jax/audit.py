@@ -107,6 +107,7 @@ class Measured:
                         "kind": c.kind,
                         "phase": group,
                         "level": level,
+                        "executions": c.trip_count,
                         "bytes": size,
                         "why": _why_exposed(o),
                     }
@@ -317,7 +318,10 @@ def _overlap_lines(summary: dict[str, Any]) -> list[str]:
     for phase, totals in summary["by_phase"].items():
         lines.append(f"  {phase:<32}hidden {totals['hidden']:>14,}  exposed {totals['exposed']:>14,}")
     for e in summary["exposed"]:
-        lines.append(f"  exposed {e['name']:<28}{e['kind']:<16}{e['phase']:<24}{e['bytes']:>12,}  {e['why']}")
+        runs = f"{e['level']} x{e['executions']}"
+        lines.append(
+            f"  exposed {e['name']:<28}{e['kind']:<16}{runs:<10}{e['phase']:<24}{e['bytes']:>12,}  {e['why']}"
+        )
     return lines
 
 

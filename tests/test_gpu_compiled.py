@@ -241,6 +241,15 @@ def test_overlap_audit_reads_the_layer_loops():
         data["measured"]["collectives"][0]
     )
     assert "per-layer bytes with compute to hide behind" in r.table()
+    # Each exposed collective's line says which link it crosses and how often it runs per step (XLA's
+    # pipeliner leaves some looped ones exposed at M = 4: see the kept-first-layer test).
+    lines = r.table().splitlines()
+    trips = {c.name: c.trip_count for c in r.measured.collectives}
+    assert any(e["executions"] > 1 for e in summary["exposed"])
+    for e in summary["exposed"]:
+        assert e["executions"] == trips[e["name"]]
+        line = next(line for line in lines if f"exposed {e['name']} " in line)
+        assert f" {e['level']} x{e['executions']} " in line, line
 
 
 # Eight layers of the wide model: at M = 1 XLA unrolls a four-layer model's layer loops entirely.
