@@ -206,3 +206,41 @@ def test_probe_fit_prices_a_small_block_at_its_speed():
         pytest.approx(0.002, rel=0.05),
     )
     assert not recovered
+
+
+@pytest.mark.slow
+def test_probe_steps_are_timed_in_rounds_that_visit_every_probe(monkeypatch):
+    # Timed one after another, each probe gets whatever the shared host gives it then (two runs of the
+    # probes minutes apart fitted 3.33 and 2.67 GB/s); in rounds, a slow spell falls on all of them.
+    import amsp_jax as aj
+    from amsp_jax.models.llama import LlamaConfig
+
+    tiny = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=16)
+    monkeypatch.setattr(probe, "_probe_models", lambda: [(tiny, 16)])
+    monkeypatch.setattr(probe, "PROBE_PLACEMENTS", ("ddp", "zero3"))
+    calls = []
+    compile_step = aj.Trainer.compile
+
+    class Logged:
+        def __init__(self, compiled, name):
+            self.compiled, self.name = compiled, name
+
+        def as_text(self):
+            return self.compiled.as_text()
+
+        def __call__(self, *args):
+            calls.append(self.name)
+            return self.compiled(*args)
+
+    def logged(self, state, batch):
+        return Logged(compile_step(self, state, batch), str(self.plan.strategy))
+
+    monkeypatch.setattr(aj.Trainer, "compile", logged)
+    probes = probe.run_probes(load("cpu-sim"), repeats=3, say=lambda _: None)
+    assert [p.label.split()[-1] for p in probes] == ["ddp", "zero3"]
+    assert all(p.measured_s > 0 and p.traffic > 0 for p in probes)
+    # Three rounds of (one untimed step, then the timed ones) per probe, the probes taking turns.
+    per_visit = 1 + probe.STEPS_PER_ROUND
+    visits = [calls[i] for i in range(0, len(calls), per_visit)]
+    assert len(calls) == 3 * 2 * per_visit
+    assert visits[0] != visits[1] and visits[:2] * 3 == visits
