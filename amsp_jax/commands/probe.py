@@ -56,20 +56,8 @@ def _probe_models() -> list[tuple[Any, int]]:
     ]  # fmt: skip
 
 
-# Timed steps of each probe per round; the rounds visit every probe in turn.
-STEPS_PER_ROUND = 2
-
-
 def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Probe]:
-    """Compile and read every probe step on this host's devices, then time them in interleaved rounds.
-
-    A probe timed all at once takes whatever the shared host gives it then: two runs of the probes
-    timed one after another, minutes apart on the 2-core CI-sized host, fitted the passes' bandwidth
-    at 3.33 and 2.67 GB/s, enough to change the planner's choice on both of `benchmarks/
-    plan_vs_measured.py`'s models. Each round runs every probe (one untimed step after the switch,
-    then `STEPS_PER_ROUND` timed), so a slow spell of the host falls on all of them alike; a probe's
-    time is the median over `max(3, repeats)` rounds.
-    """
+    """Compile, read and time every probe step on this host's devices."""
     import jax
     import optax
 
@@ -78,7 +66,7 @@ def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Prob
     from amsp_jax.models.llama import Llama, make_loss_fn
 
     cluster = cluster_config.cluster()
-    compiled_probes = []
+    probes = []
     for config, seq_len in _probe_models():
         model = Llama(config)
         tokens = np.random.default_rng(0).integers(0, config.vocab_size, (cluster.num_devices, seq_len + 1))
@@ -100,32 +88,24 @@ def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Prob
             compiled = trainer.compile(trainer.abstract_state(), abstract)
             workload = audit.workload_of(trainer, batch, cost.llama_dims(config))
             estimate = timing.estimate(trainer.layout, workload, cluster_config)
-            compiled_probes.append({
-                "label": f"{config.name} {name}",
-                "blocks": tuple(timing.pass_blocks(estimate.prediction.memory, workload)[b] for b in BLOCKS),
-                "traffic": hlo.memory_traffic(compiled.as_text()),
-                "other": estimate.time.compute_s + sum(estimate.time.exposed_s.values()),
-                "step": compiled,
-                "batch": sharded,
-                "state": trainer.init(jax.random.key(0), batch["inputs"]),
-                "times": [],
-            })  # fmt: skip
-    for _ in range(max(3, repeats)):
-        for entry in compiled_probes:
-            state, metrics = entry["step"](entry["state"], entry["batch"])
-            jax.block_until_ready(metrics)
-            for _ in range(STEPS_PER_ROUND):
+            step = estimate.time
+            state = trainer.init(jax.random.key(0), batch["inputs"])
+            times = []
+            for _ in range(max(2, repeats) + 1):
                 start = time.perf_counter()
-                state, metrics = entry["step"](state, entry["batch"])
+                state, metrics = compiled(state, sharded)
                 jax.block_until_ready((state, metrics))
-                entry["times"].append(time.perf_counter() - start)
-            entry["state"] = state
-    probes = []
-    for entry in compiled_probes:
-        measured = statistics.median(entry["times"])
-        probes.append(Probe(entry["label"], entry["blocks"], entry["traffic"], entry["other"], measured))
-        say(f"  probe {entry['label']}: {entry['traffic'] / 1e6:.0f} MB of memory passes, "
-            f"{probes[-1].measured_s * 1e3:.0f} ms per step")  # fmt: skip
+                times.append(time.perf_counter() - start)
+            del state
+            probes.append(Probe(
+                f"{config.name} {name}",
+                tuple(timing.pass_blocks(estimate.prediction.memory, workload)[b] for b in BLOCKS),
+                hlo.memory_traffic(compiled.as_text()),
+                step.compute_s + sum(step.exposed_s.values()),
+                statistics.median(times[1:]),
+            ))  # fmt: skip
+            say(f"  probe {probes[-1].label}: {probes[-1].traffic / 1e6:.0f} MB of memory passes, "
+                f"{probes[-1].measured_s * 1e3:.0f} ms per step")  # fmt: skip
     return probes
 
 

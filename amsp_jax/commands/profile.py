@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-passes",
         action="store_true",
-        help="skip the probe steps that measure the step's memory passes (about three minutes on a CPU host)",
+        help="skip the probe steps that measure the step's memory passes (about two minutes on a CPU host)",
     )
 
 
