@@ -24,6 +24,7 @@ Run:  XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 PYTHONPATH=. python -m benchmarks.gpu_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import gzip
 import json
@@ -45,7 +46,7 @@ import yaml
 from jax.sharding import NamedSharding
 
 import amsp_jax as aj
-from amsp_jax import audit, cost, gpu_target, hlo, timing, xla
+from amsp_jax import audit, config_files, cost, gpu_target, hlo, timing, xla
 from amsp_jax.cluster_config import from_dict, load
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from amsp_jax.sharding import batch_spec
@@ -300,13 +301,26 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def other_kernel_features(
-    report: dict[str, Any], config: LlamaConfig
-) -> tuple[np.ndarray, np.ndarray, float]:
+def model_of(report: dict[str, Any]) -> LlamaConfig:
+    """The model a run measured: the shape it recorded, else (runs before it did) the shipped config of
+    its name, checked against its parameter count."""
+    if "model_config" in report:
+        return LlamaConfig(**report["model_config"])
+    config = LlamaConfig.from_yaml(config_files.find("models", report["model"]))
+    if config.num_params() != report["parameters"]:
+        raise SystemExit(
+            f"gpu_step: the shipped model {report['model']!r} has {config.num_params():,} parameters, the "
+            f"run measured {report['parameters']:,}: the config changed since the run"
+        )
+    return config
+
+
+def other_kernel_features(report: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, float]:
     """Per traced pair of a run: (fp32 weight bytes × M, one micro-batch's activation bytes × M, 1) as
     the cost model counts them, the measured seconds of the other kernels per step, and the run's
     profiled memory bandwidth."""
     hardware = from_dict(yaml.safe_load(report["profile"])).with_shape(1, 1)
+    config = model_of(report)
     model = Llama(config)
     features, seconds = [], []
     for row in report["rows"]:
@@ -323,12 +337,12 @@ def other_kernel_features(
     return np.array(features), np.array(seconds), hardware.hbm_bandwidth
 
 
-def cross_fit(paths: list[str], config: LlamaConfig) -> str:
+def cross_fit(paths: list[str]) -> str:
     """Fit the other kernels' seconds of each run as passes per micro-batch over the fp32 weights and the
     activations plus a constant, and predict every other run's at the ratio of the profiled memory
     bandwidths: whether the form carries from one card to another."""
     runs = {report["device"]: report for report in (json.loads(Path(p).read_text()) for p in paths)}
-    data = {device: other_kernel_features(report, config) for device, report in runs.items()}
+    data = {device: other_kernel_features(report) for device, report in runs.items()}
     lines = []
     for fitted, (features, seconds, bandwidth) in data.items():
         coefficients, *_ = np.linalg.lstsq(features, seconds, rcond=None)
@@ -347,16 +361,17 @@ def cross_fit(paths: list[str], config: LlamaConfig) -> str:
     return "\n".join(lines)
 
 
-def traffic_check(paths: list[str], config: LlamaConfig, target: str = "h100-sxm") -> str:
+def traffic_check(paths: list[str], target: str = "h100-sxm") -> str:
     """For every traced pair of each run: the bytes its memory-bound kernels touch in the step compiled
     here for one GPU of `target` (`hlo.memory_traffic`), over the other kernels' measured seconds: the
     bandwidth they ran at. One bandwidth per card for every pair means the compiled traffic prices
     them."""
     device = gpu_target.topology(target, 1, 1)[0]
-    model = Llama(config)
     lines = []
     for path in paths:
         report = json.loads(Path(path).read_text())
+        config = model_of(report)
+        model = Llama(config)
         rates = []
         for row in report["rows"]:
             if not row.get("trace"):
@@ -374,7 +389,7 @@ def traffic_check(paths: list[str], config: LlamaConfig, target: str = "h100-sxm
                 f"{rates[-1] / 1e12:.2f} TB/s"
             )
         spread = f"{min(rates) / 1e12:.2f}-{max(rates) / 1e12:.2f} TB/s"
-        lines.append(f"{report['device']}: {spread} over {len(rates)} pairs")
+        lines.append(f"{report['device']}, {report['model']}: {spread} over {len(rates)} pairs")
     return "\n".join(lines)
 
 
@@ -413,10 +428,10 @@ def main() -> int:
     args = parser.parse_args()
     config = LlamaConfig.from_yaml(args.model)
     if args.cross_fit:
-        print(cross_fit(args.cross_fit, config))
+        print(cross_fit(args.cross_fit))
         return 0
     if args.traffic:
-        print(traffic_check(args.traffic, config))
+        print(traffic_check(args.traffic))
         return 0
     if args.check_options:
         check_options(config, args.pairs.split(",")[0], args)
@@ -442,6 +457,7 @@ def main() -> int:
     model = Llama(config)
     report: dict[str, Any] = {
         "model": config.name,
+        "model_config": dataclasses.asdict(config),
         "parameters": config.num_params(),
         "device": device.device_kind,
         "jax": jax.__version__,

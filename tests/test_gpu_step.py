@@ -1,5 +1,6 @@
 """`benchmarks/gpu_step.py` on the CPU: the pairs run and agree, and a GPU trace is read by kind."""
 
+import dataclasses
 import gzip
 import json
 import sys
@@ -50,3 +51,16 @@ def test_kernel_time_is_summed_by_kind_on_the_gpu_stream_lines_only(tmp_path):
     summary = gpu_step.kernel_breakdown(trace)
     expected = {"matmul": 500e-6, "attention": 100e-6, "other": 40e-6}
     assert summary["seconds_by_kind"] == pytest.approx(expected)
+
+
+def test_a_runs_analyses_read_the_model_it_measured():
+    # --traffic and --cross-fit rebuild each run's model: a run of one shape analysed as another's
+    # would count another program's traffic (they once read every run as the --model default).
+    shipped = gpu_step.LlamaConfig.from_yaml(gpu_step.ROOT / "configs/models/llama3-1b.yaml")
+    older = {"model": "llama3-1b", "parameters": shipped.num_params()}
+    assert gpu_step.model_of(older) == shipped
+    with pytest.raises(SystemExit, match="the config changed since the run"):
+        gpu_step.model_of({**older, "parameters": shipped.num_params() + 1})
+    other = dataclasses.replace(shipped, n_layers=3, name="probe")
+    recorded = json.loads(json.dumps({"model": "probe", "model_config": dataclasses.asdict(other)}))
+    assert gpu_step.model_of(recorded) == other
