@@ -341,8 +341,8 @@ def cross_fit(paths: list[str]) -> str:
     """Fit the other kernels' seconds of each run as passes per micro-batch over the fp32 weights and the
     activations plus a constant, and predict every other run's at the ratio of the profiled memory
     bandwidths: whether the form carries from one card to another."""
-    runs = {report["device"]: report for report in (json.loads(Path(p).read_text()) for p in paths)}
-    data = {device: other_kernel_features(report) for device, report in runs.items()}
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    data = {f"{report['device']}, {report['model']}": other_kernel_features(report) for report in reports}
     lines = []
     for fitted, (features, seconds, bandwidth) in data.items():
         coefficients, *_ = np.linalg.lstsq(features, seconds, rcond=None)
