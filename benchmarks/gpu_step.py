@@ -37,6 +37,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -315,25 +316,34 @@ def model_of(report: dict[str, Any]) -> LlamaConfig:
     return config
 
 
+def traced_pairs(report: dict[str, Any], device: Any = None) -> Iterator[tuple[dict, dict, Any, float]]:
+    """Per traced pair of a run, rebuilt for its own model: (row, host batch, its Trainer on `device`
+    or the local one, the other kernels' measured seconds per step)."""
+    config = model_of(report)
+    model = Llama(config)
+    for row in report["rows"]:
+        if not row.get("trace"):
+            continue
+        host_batch = make_batch(config, row["global_batch"], report["seq_len"])
+        trainer = make_trainer(model, host_batch, row["micro_batches"], row["remat"], device)
+        other_s = row["trace"]["seconds_by_kind"].get("other", 0.0) / row["trace"]["steps"]
+        yield row, host_batch, trainer, other_s
+
+
 def other_kernel_features(report: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, float]:
     """Per traced pair of a run: (fp32 weight bytes × M, one micro-batch's activation bytes × M, 1) as
     the cost model counts them, the measured seconds of the other kernels per step, and the run's
     profiled memory bandwidth."""
     hardware = from_dict(yaml.safe_load(report["profile"])).with_shape(1, 1)
-    config = model_of(report)
-    model = Llama(config)
+    dims = cost.llama_dims(model_of(report))
     features, seconds = [], []
-    for row in report["rows"]:
-        if not row.get("trace"):
-            continue
-        host_batch = make_batch(config, row["global_batch"], report["seq_len"])
-        trainer = make_trainer(model, host_batch, row["micro_batches"], row["remat"])
-        workload = audit.workload_of(trainer, host_batch, cost.llama_dims(config))
+    for row, host_batch, trainer, other_s in traced_pairs(report):
+        workload = audit.workload_of(trainer, host_batch, dims)
         memory = timing.estimate(trainer.layout, workload, hardware).prediction.memory
         blocks = timing.pass_blocks(memory, workload)
         micro_batches = row["micro_batches"]
         features.append([micro_batches * blocks["model"], micro_batches * blocks["activations"], 1.0])
-        seconds.append(row["trace"]["seconds_by_kind"].get("other", 0.0) / row["trace"]["steps"])
+        seconds.append(other_s)
     return np.array(features), np.array(seconds), hardware.hbm_bandwidth
 
 
@@ -370,18 +380,11 @@ def traffic_check(paths: list[str], target: str = "h100-sxm") -> str:
     lines = []
     for path in paths:
         report = json.loads(Path(path).read_text())
-        config = model_of(report)
-        model = Llama(config)
         rates = []
-        for row in report["rows"]:
-            if not row.get("trace"):
-                continue
-            host_batch = make_batch(config, row["global_batch"], report["seq_len"])
-            trainer = make_trainer(model, host_batch, row["micro_batches"], row["remat"], device)
+        for row, host_batch, trainer, seconds in traced_pairs(report, device):
             spec = NamedSharding(trainer.layout.mesh, batch_spec(trainer.layout, 2))
             batch = abstract(host_batch, {k: spec for k in host_batch})
             traffic = hlo.memory_traffic(trainer.compile(trainer.abstract_state(), batch).as_text())
-            seconds = row["trace"]["seconds_by_kind"].get("other", 0.0) / row["trace"]["steps"]
             rates.append(traffic / seconds)
             lines.append(
                 f"{report['device']}: batch {row['global_batch']}, M={row['micro_batches']}, "
