@@ -109,7 +109,7 @@ def gpu_options(layer_bytes: int = 0, slop_factor: int | None = None) -> dict[st
     (`combine_thresholds`); `slop_factor` sets the scheduler's memory budget (`scheduler_slop_factor`)."""
     thresholds = combine_thresholds("gpu", layer_bytes)
     cache = os.environ.get(KERNEL_CACHE_ENV)
-    budget = {} if slop_factor is None else {"xla_gpu_memory_limit_slop_factor": slop_factor}
+    budget = _memory_budget(slop_factor)
     return ({"xla_gpu_kernel_cache_file": cache} if cache else {}) | budget | {
         "xla_gpu_enable_latency_hiding_scheduler": True,
         **analytical_estimator(),
@@ -133,8 +133,13 @@ def compiler_options(
     if platform not in ("gpu", "cuda", "rocm"):
         return None
     if devices < 2:
-        return None if slop_factor is None else {"xla_gpu_memory_limit_slop_factor": slop_factor}
+        return _memory_budget(slop_factor) or None
     return gpu_options(layer_bytes, slop_factor)
+
+
+def _memory_budget(slop_factor: int | None) -> dict[str, object]:
+    """The option that sets XLA's scheduler memory budget (`scheduler_slop_factor`), if one is given."""
+    return {} if slop_factor is None else {"xla_gpu_memory_limit_slop_factor": slop_factor}
 
 
 def selects_in_place(platform: str) -> bool:
