@@ -114,7 +114,13 @@ class BandwidthTable:
             raise ClusterConfigError("bandwidth table sizes and bandwidths must be positive")
 
     def at(self, size: float) -> float:
-        """Bus bandwidth for a collective in which one device sends `size` bytes."""
+        """Bus bandwidth for a collective in which one device sends `size` bytes.
+
+        Between two measured sizes the time (size over bandwidth) is affine in the size: a fixed cost
+        and a rate, the two-point latency-bandwidth line. Interpolating the bandwidth itself in log-size
+        priced a 230 KB reduce-scatter over 8 CPU devices at 0.12 ms from a table measured at 64 KiB and
+        1 MiB, where chained ones took 0.20 ms and the line gives 0.19.
+        """
         if size <= self.sizes[0]:
             # Latency-bound below the smallest measured size: the collective costs what that one costs.
             return self.busbw[0] * size / self.sizes[0]
@@ -122,8 +128,8 @@ class BandwidthTable:
             return self.busbw[-1]
         i = bisect.bisect_right(self.sizes, size)
         lo, hi = self.sizes[i - 1], self.sizes[i]
-        w = (math.log(size) - math.log(lo)) / (math.log(hi) - math.log(lo))
-        return self.busbw[i - 1] + w * (self.busbw[i] - self.busbw[i - 1])
+        t_lo, t_hi = lo / self.busbw[i - 1], hi / self.busbw[i]
+        return size / (t_lo + (size - lo) / (hi - lo) * (t_hi - t_lo))
 
     @classmethod
     def from_rows(cls, rows: Sequence[Sequence[Any]], where: str) -> BandwidthTable:

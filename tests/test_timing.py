@@ -32,11 +32,14 @@ MODEL = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
 CLUSTER = Cluster(2, 4)
 
 
-def test_bandwidth_interpolates_in_log_size_and_is_latency_bound_below_the_table():
-    table = BandwidthTable((2.0**10, 2.0**20), (1e9, 3e9))
-    assert table.at(2**10) == 1e9 and table.at(2**20) == 3e9
-    assert table.at(2**15) == pytest.approx(2e9)  # halfway in log-size
-    assert table.at(2**30) == 3e9  # flat above the table
+def test_bandwidth_between_measured_sizes_follows_a_latency_bandwidth_line():
+    # A link with 20 us of latency and 5 GB/s, measured (as nccl-tests reports it) at three sizes.
+    latency, rate = 20e-6, 5e9
+    sizes = (2.0**12, 2.0**16, 2.0**20)
+    table = BandwidthTable(sizes, tuple(s / (latency + s / rate) for s in sizes))
+    for size in (6e3, 2.0**14, 2.3e5, 7e5):
+        assert size / table.at(size) == pytest.approx(latency + size / rate, rel=1e-12)
+    assert table.at(2**30) == table.busbw[-1]  # flat above the table
     assert 2**9 / table.at(2**9) == pytest.approx(2**10 / table.at(2**10))  # same time as the smallest
 
 
