@@ -337,6 +337,7 @@ def workload_of(trainer: Any, batch: Any, dims: cost.ModelDims) -> cost.Workload
             path, leaf.shape, layout.stack_of(path) is not None, layout.per_layer(path),
             path not in layout.backward_unused, path in layout.frozen,
             layout.stack_of(path) or layout.block_of(path), layout.in_layer_stack(path),
+            path in layout.looked_up,
         )
         for path, leaf in layout.leaves.items()
     )

@@ -46,6 +46,7 @@ class LeafShape:
     frozen: bool = False  # not trained: no gradient, no optimizer state, never refreshed
     unit: tuple[str, ...] | None = None  # the stack or block a per-layer leaf is gathered with
     layer_stack: bool = False  # a `LayerStack`'s (its own layer loop; may keep its first layer)
+    looked_up: bool = False  # only indexed (an untied input embedding): the step runs no matmul with it
 
     @property
     def size(self) -> int:
@@ -124,6 +125,11 @@ class Workload:
         return sum(leaf.size for leaf in self.leaves)
 
     @property
+    def matmul_params(self) -> int:
+        """Parameters the step multiplies with: all but the looked-up ones (an untied input embedding)."""
+        return sum(leaf.size for leaf in self.leaves if not leaf.looked_up)
+
+    @property
     def looped_blocks(self) -> bool:
         """Whether the layers are blocks called one by one, not a stack (`looped_blocks`)."""
         return looped_blocks(self.leaves)
@@ -133,14 +139,18 @@ class Workload:
         return self.seq_len * self.micro_batch_size * self.micro_batches
 
     def flops_per_token(self) -> int:
-        """Model FLOPs per token, forward and backward: 6Φ + 12·L·H·Q·T (Megatron/PaLM convention).
+        """Model FLOPs per token, forward and backward: 6Φ + 12·L·H·Q·T (Megatron/PaLM convention), Φ
+        the parameters the step multiplies with (`matmul_params`).
 
-        The same for every attention implementation: no causal halving, no recomputation (those are
-        `attention_square_fraction`, `attention_recompute_flops_per_token` and the time model's remat
-        terms).
+        An untied input embedding is looked up, not multiplied: Megatron-LM's formula counts the
+        output projection once and no input embedding, and torchtitan (whose published MFU this
+        repository compares with) takes the token embedding out of Φ. A tied one is the output
+        projection and counts once. The same for every attention implementation: no causal halving,
+        no recomputation (those are `attention_square_fraction`, `attention_recompute_flops_per_token`
+        and the time model's remat terms).
         """
         d = self.dims
-        return 6 * self.num_params + 12 * d.n_layers * d.n_heads * d.head_dim * self.seq_len
+        return 6 * self.matmul_params + 12 * d.n_layers * d.n_heads * d.head_dim * self.seq_len
 
     def attention_square_fraction(self) -> float:
         """The fraction of the (seq, seq) score square whose matmuls the attention runs.
@@ -189,7 +199,7 @@ def llama_workload(
 ) -> Workload:
     """The workload of `amsp_jax.models.llama.Llama(config)` (same leaves as the Flax model)."""
     c = config
-    leaves = [LeafShape(("embed",), (c.vocab_size, c.dim), False)]
+    leaves = [LeafShape(("embed",), (c.vocab_size, c.dim), False, looked_up=not c.tie_embeddings)]
     leaves += [
         LeafShape(("layers", "layer", name), (c.n_layers, *shape), True, unit=("layers",), layer_stack=True)
         for name, shape in c.layer_shapes().items()

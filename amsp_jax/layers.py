@@ -450,6 +450,74 @@ def backward_unused(run: Callable[[Any, Any], Any], weights: Any, inputs: Any) -
     return frozenset(p for p, used in zip(paths, live, strict=False) if not used)
 
 
+_LOOKUPS = frozenset({"gather", "dynamic_slice"})
+_PASS_THROUGH = frozenset({"convert_element_type", "copy", "copy_p", "reshape", "squeeze", "expand_dims"})
+
+
+def _dependents(jaxpr: jax_core.Jaxpr, seeds: set[Any]) -> set[Any]:
+    """The variables of `jaxpr` computed from `seeds` (the model's inputs)."""
+    found = set(seeds)
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, jax_core.Var) and v in found for v in eqn.invars):
+            found.update(eqn.outvars)
+    return found
+
+
+def _inner(eqn: Any) -> jax_core.Jaxpr | None:
+    """The sub-program of a call (jit, custom_vjp, checkpoint) whose inputs line up with the call's."""
+    for key in ("jaxpr", "call_jaxpr"):
+        sub = eqn.params.get(key)
+        sub = getattr(sub, "jaxpr", sub)
+        if isinstance(sub, jax_core.Jaxpr) and len(sub.invars) == len(eqn.invars):
+            return sub
+    return None
+
+
+def _uses(jaxpr: jax_core.Jaxpr, var: Any, data: set[Any]) -> set[str]:
+    """How `var` is consumed in `jaxpr`: "lookup" where a gather or slice picks rows of it at positions
+    computed from the model's inputs (`data`: the variables that are), "other" for anything else;
+    followed through casts, reshapes and the sub-programs of calls."""
+    data = _dependents(jaxpr, data)
+    found: set[str] = set()
+    for eqn in jaxpr.eqns:
+        positions = [i for i, v in enumerate(eqn.invars) if v is var]
+        if not positions:
+            continue
+        inner = _inner(eqn)
+        by_data = any(isinstance(v, jax_core.Var) and v in data for v in eqn.invars[1:])
+        if eqn.primitive.name in _LOOKUPS and positions == [0] and by_data:
+            found.add("lookup")
+        elif eqn.primitive.name in _PASS_THROUGH:
+            for out in eqn.outvars:
+                found |= _uses(jaxpr, out, data)
+        elif inner is not None:
+            pairs = zip(eqn.invars, inner.invars, strict=True)
+            inner_data = {w for v, w in pairs if isinstance(v, jax_core.Var) and v in data}
+            for i in positions:
+                found |= _uses(inner, inner.invars[i], inner_data)
+        else:
+            found.add("other")
+    return found
+
+
+def looked_up_leaves(model: Any, abstract_params: Any, example_inputs: tuple[Any, ...]) -> frozenset[Path]:
+    """Paths of the parameters the forward pass only looks up (an untied input embedding): rows picked
+    at the inputs' positions, never multiplied, so their FLOPs are not a matmul's. A weight indexed at
+    fixed positions (a layer of a stack picked in a loop) is not one. Read off the forward program
+    (abstract shapes only)."""
+    arrays, rebuild = _split_static(example_inputs)
+    try:
+        closed = jax.make_jaxpr(lambda p, a: model.apply({"params": p}, *rebuild(a)))(abstract_params, arrays)
+    except Exception:  # a forward that needs what an abstract trace lacks (an RNG stream): none
+        return frozenset()
+    paths = list(_shapes(abstract_params))  # in flattening order, as the program's inputs
+    invars = closed.jaxpr.invars
+    data = set(invars[len(paths) :])
+    return frozenset(
+        path for path, var in zip(paths, invars, strict=False) if _uses(closed.jaxpr, var, data) == {"lookup"}
+    )
+
+
 def _shapes(tree: Any) -> dict[Path, tuple[int, ...]]:
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {tuple(str(getattr(k, "key", k)) for k in keys): tuple(np.shape(v)) for keys, v in flat}
@@ -554,6 +622,7 @@ class Layers:
     stacks: tuple[Path, ...]
     blocks: dict[Path, Found]
     stack_unused: dict[Path, frozenset] = dataclasses.field(default_factory=dict)  # per LayerStack
+    looked_up: frozenset[Path] = frozenset()  # leaves the forward only indexes (`looked_up_leaves`)
 
     @property
     def stacked(self) -> tuple[Path, ...]:
@@ -579,7 +648,8 @@ def find_layers(
     unused: dict[Path, frozenset] = {}
     with recording_stacks() as stacks, recording_calls(unused) as calls:
         abstract = jax.eval_shape(lambda k: model.init(k, *example_inputs)["params"], key)
+    looked_up = looked_up_leaves(model, abstract, example_inputs)
     if own is not None:
-        return Layers(abstract, tuple(stacks), own(abstract, example_inputs, classes), unused)
+        return Layers(abstract, tuple(stacks), own(abstract, example_inputs, classes), unused, looked_up)
     blocks = find_blocks(calls, _shapes(abstract), classes, exclude=tuple(stacks))
-    return Layers(abstract, tuple(stacks), blocks, unused)
+    return Layers(abstract, tuple(stacks), blocks, unused, looked_up)

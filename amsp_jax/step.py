@@ -79,6 +79,7 @@ class ParamLayout:
     treedef: Any
     blocks: tuple[Path, ...] = ()
     backward_unused: frozenset[Path] = frozenset()  # block leaves the backward pass does not read
+    looked_up: frozenset[Path] = frozenset()  # leaves the forward only indexes (an input embedding)
     frozen: frozenset[Path] = frozenset()  # leaves not trained (`Trainer(frozen=...)`)
     # Leaves the optimizer's update communicates on: split the largest way (`sharding.shard_dims`).
     split_for_update: frozenset[Path] = frozenset()
@@ -150,7 +151,9 @@ def param_layout(
     treedef = jax.tree.structure(layers.abstract_params)
     held = frozenset(p for p in leaves if frozen is not None and frozen(p))
     kept = frozenset(p for p in leaves if update.communicates_on(p))
-    return ParamLayout(leaves, stacks, treedef, tuple(layers.blocks), layers.backward_unused, held, kept)
+    return ParamLayout(
+        leaves, stacks, treedef, tuple(layers.blocks), layers.backward_unused, layers.looked_up, held, kept
+    )
 
 
 def _blocks_summary(pl: ParamLayout) -> str:

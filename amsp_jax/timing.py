@@ -8,7 +8,8 @@ latency grows with the ring; see `amsp_jax.cluster_config`), where `launches` co
 XLA issues once its combiners have merged the ops that run together (`schedule.launches`: on GPU one
 per layer and phase, not one per leaf).
 
-Compute: model FLOPs per token 6Φ + 12·L·H·Q·T (forward 1/3, backward 2/3) plus what remat runs
+Compute: model FLOPs per token 6Φ + 12·L·H·Q·T (Φ without an untied input embedding, which is
+looked up, not multiplied; forward 1/3, backward 2/3) plus what remat runs
 again — `full` repeats each layer's forward (2Φ_layers + 4·L·H·Q·T per token); `dots` keeps every
 projection's output (`dots_with_no_batch_dims_saveable`) and repeats only the attention matmuls,
 whose dot_generals carry batch dimensions (4·L·H·Q·T per token); `none` repeats nothing — each
@@ -198,7 +199,7 @@ def compute_times(workload: Workload, cluster: ClusterConfig) -> Compute:
     """Seconds of the layers' and the other leaves' forward and backward, remat included."""
     tokens = workload.tokens_per_device()
     layer_params = sum(leaf.size for leaf in workload.leaves if leaf.stacked)
-    other_params = workload.num_params - layer_params
+    other_params = workload.matmul_params - layer_params
     attention = workload.attention_run_flops_per_token(12)
     layer_forward = 2 * layer_params + attention // 3
     # Every matmul of a micro-batch runs over its tokens at once (the attention's over its queries).

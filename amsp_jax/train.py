@@ -37,6 +37,7 @@ from amsp_jax import cluster_config, config_files
 from amsp_jax import data as data_lib
 from amsp_jax.checkpoint import Checkpointer, CheckpointError, read_params
 from amsp_jax.cluster_config import ClusterConfig
+from amsp_jax.cost import llama_workload
 from amsp_jax.distributed import is_primary
 from amsp_jax.errors import AmspError, check_field_types, one_line
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
@@ -362,8 +363,8 @@ def describe_plan(trainer: Trainer) -> list[str]:
 
 
 def model_flops_per_token(model: LlamaConfig, seq_len: int) -> float:
-    """Model FLOPs per token, 6Φ + 12·L·H·Q·T (Megatron convention, no causal halving)."""
-    return 6 * model.num_params() + 12 * model.n_layers * model.n_heads * model.head_dim * seq_len
+    """Model FLOPs per token, as the time model counts them (`Workload.flops_per_token`)."""
+    return llama_workload(model, seq_len).flops_per_token()
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:

@@ -67,6 +67,7 @@ def _leaves(layers: Layers) -> tuple[LeafShape, ...]:
             path, tuple(x.shape), under(path, stacks) is not None,
             under(path, (*stacks, *layers.blocks)) is not None, path not in unused,
             unit=under(path, (*stacks, *layers.blocks)), layer_stack=under(path, layers.stacks) is not None,
+            looked_up=path in layers.looked_up,
         )
         for path, x in flat.items()
     )

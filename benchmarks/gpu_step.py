@@ -166,8 +166,6 @@ def run_pair(
     """Compile, predict and time one (micro-batches, remat) pair; its row and (compiled, state, batch)."""
     trainer = make_trainer(model, host_batch, micro_batches, remat)
     key = jax.random.key(0)
-    workload = audit.workload_of(trainer, host_batch, cost.llama_dims(config))
-    predicted = {name: timing.estimate(trainer.layout, workload, hw) for name, hw in hardware.items()}
     batch = trainer.shard_batch(host_batch)
     abstract_batch = abstract(batch)
     start = time.perf_counter()
@@ -191,23 +189,16 @@ def run_pair(
         losses.append(float(metrics["loss"]))
     if not all(np.isfinite(losses)):
         raise FloatingPointError(f"non-finite loss {losses}")
-    measured = statistics.median(times)
-    model_flops = workload.flops_per_token() * workload.tokens_per_device()
-    peak = hardware["h100-dgx (datasheet)"].peak_flops
     row = {
         "micro_batches": micro_batches,
         "global_batch": len(host_batch["inputs"]),
-        "micro_batch_size": workload.micro_batch_size,
         "remat": remat,
-        "tokens": workload.tokens_per_device(),
         "compile_s": compile_s,
         "compiler_warnings": [str(w.message) for w in caught],
         "cudnn_attention": "__cudnn$fmha" in text,
         "times_s": times,
-        "measured_s": measured,
+        "measured_s": statistics.median(times),
         "fastest_s": min(times),
-        "mfu": model_flops / measured / peak,
-        "model_tflops_per_s": model_flops / measured / 1e12,
         "losses": losses,
         "compiled_bytes": {
             "arguments": memory.argument_size_in_bytes,
@@ -215,18 +206,71 @@ def run_pair(
             "temporaries": memory.temp_size_in_bytes,
             "aliased": memory.alias_size_in_bytes,
         },
+    }
+    row.update(modelled(trainer, host_batch, config, hardware, row["measured_s"]))
+    return row, (compiled, state, batch)
+
+
+def modelled(
+    trainer: aj.Trainer,
+    host_batch: dict[str, np.ndarray],
+    config: LlamaConfig,
+    hardware: dict[str, Any],
+    measured_s: float,
+) -> dict[str, Any]:
+    """A pair's numbers that come from the models, not the clock: its MFU (model FLOPs over the
+    measured time) and each cluster config's prediction beside the measured step."""
+    workload = audit.workload_of(trainer, host_batch, cost.llama_dims(config))
+    model_flops = workload.flops_per_token() * workload.tokens_per_device()
+    peak = hardware["h100-dgx (datasheet)"].peak_flops
+    predicted = {name: timing.estimate(trainer.layout, workload, hw) for name, hw in hardware.items()}
+    return {
+        "micro_batch_size": workload.micro_batch_size,
+        "tokens": workload.tokens_per_device(),
+        "mfu": model_flops / measured_s / peak,
+        "model_tflops_per_s": model_flops / measured_s / 1e12,
         "predicted": {
             name: {
                 "step_s": e.time.step_s,
                 "compute_s": e.time.compute_s,
                 "memory_s": dict(e.time.memory_s),
-                "ratio": e.time.step_s / measured,
+                "ratio": e.time.step_s / measured_s,
                 "memory_bytes": e.prediction.memory.total,
             }
             for name, e in predicted.items()
         },
     }
-    return row, (compiled, state, batch)
+
+
+def reprice(path: Path, target: str = "h100-sxm") -> str:
+    """Recompute a run's model-derived numbers (MFU, predictions) with today's models and its own profile,
+    its measured times kept; the step is rebuilt here for one GPU of `target` (compiled for nothing).
+    Rewrites the run's JSON and Markdown; returns one line per pair, before and after."""
+    report = json.loads(path.read_text())
+    config = model_of(report)
+    model = Llama(config)
+    device = gpu_target.topology(target, 1, 1)[0]
+    hardware = {
+        "profiled": from_dict(yaml.safe_load(report["profile"])).with_shape(1, 1),
+        "h100-dgx (datasheet)": load("h100-dgx").with_shape(1, 1),
+    }
+    lines = []
+    for row in report["rows"]:
+        if "mfu" not in row:
+            continue
+        host_batch = make_batch(config, row["global_batch"], report["seq_len"])
+        trainer = make_trainer(model, host_batch, row["micro_batches"], row["remat"], device)
+        before = (row["mfu"], row["predicted"]["profiled"]["ratio"])
+        row.update(modelled(trainer, host_batch, config, hardware, row["measured_s"]))
+        lines.append(
+            f"{report['device']}, {report['model']}, M={row['micro_batches']} {row['remat']}: MFU "
+            f"{before[0]:.1%} -> {row['mfu']:.1%}, predicted (profiled) / measured {before[1]:.2f} -> "
+            f"{row['predicted']['profiled']['ratio']:.2f}"
+        )
+    report.setdefault("repriced", []).append(time.strftime("%Y-%m-%d"))
+    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    path.with_suffix(".md").write_text(markdown(report))
+    return "\n".join(lines)
 
 
 def trace_step(run: Any, out: Path, keep: bool) -> dict[str, Any]:
@@ -253,7 +297,13 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"`{report['command']}` ({report['date']}; jax {report['jax']}). Sequences of "
         f"{report['seq_len']} tokens, mixed precision, AdamW. MFU: model "
-        f"FLOPs over {report['peak_flops'] / 1e12:.0f} TFLOP/s.",
+        f"FLOPs over {report['peak_flops'] / 1e12:.0f} TFLOP/s."
+        + (
+            f" MFU and predictions recomputed with the models of {report['repriced'][-1]} "
+            "(`--reprice`), the times as measured."
+            if report.get("repriced")
+            else ""
+        ),
         "",
         "| batch | M | remat | measured s | fastest s | MFU | predicted s (profiled) | ratio | predicted s "
         "(datasheet) | ratio | compiled GiB | predicted GiB | compile s |",
@@ -423,6 +473,13 @@ def main() -> int:
         help="no GPU: fit the other kernels' time of each run's traced pairs and predict the others'",
     )
     parser.add_argument(
+        "--reprice",
+        nargs="+",
+        metavar="JSON",
+        help="no GPU: recompute each run's MFU and predictions with today's models (its times kept) and "
+        "rewrite its JSON and Markdown",
+    )
+    parser.add_argument(
         "--options-check",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -435,6 +492,9 @@ def main() -> int:
         return 0
     if args.traffic:
         print(traffic_check(args.traffic))
+        return 0
+    if args.reprice:
+        print("\n".join(reprice(Path(path)) for path in args.reprice))
         return 0
     if args.check_options:
         check_options(config, args.pairs.split(",")[0], args)

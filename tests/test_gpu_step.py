@@ -64,3 +64,33 @@ def test_a_runs_analyses_read_the_model_it_measured():
     other = dataclasses.replace(shipped, n_layers=3, name="probe")
     recorded = json.loads(json.dumps({"model": "probe", "model_config": dataclasses.asdict(other)}))
     assert gpu_step.model_of(recorded) == other
+
+
+def test_a_run_is_repriced_with_todays_models_and_its_own_times(tmp_path):
+    # A run recorded before the model FLOPs left out the untied input embedding: its MFU counted 6Φ.
+    config = gpu_step.LlamaConfig(vocab_size=4096, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176,
+                                  max_seq_len=64, name="untied")  # fmt: skip
+    seq_len, measured, peak = 64, 0.01, 989e12
+    attention = 12 * config.n_layers * config.n_heads * config.head_dim * seq_len
+    old_flops = 6 * config.num_params() + attention
+    rows = [{"micro_batches": m, "remat": "none", "global_batch": 2, "measured_s": measured,
+             "times_s": [measured], "fastest_s": measured, "mfu": old_flops * 2 * seq_len / measured / peak,
+             "compiled_bytes": dict.fromkeys(("arguments", "outputs", "temporaries", "aliased"), 0),
+             "compile_s": 1.0, "predicted": {"profiled": {"ratio": 0.0}}} for m in (1, 2)]  # fmt: skip
+    report = {"model": "untied", "model_config": dataclasses.asdict(config), "parameters": 0,
+              "device": "NVIDIA H100 80GB HBM3", "jax": "0", "date": "2026-01-01", "command": "gpu_step",
+              "seq_len": seq_len, "peak_flops": peak, "rows": rows,
+              "profile": (gpu_step.ROOT / "configs/clusters/h100-dgx.yaml").read_text()}  # fmt: skip
+    path = tmp_path / "gpu_step_h100.json"
+    path.write_text(json.dumps(report))
+    gpu_step.reprice(path)
+    repriced = json.loads(path.read_text())
+    lookup = config.vocab_size * config.dim
+    for row in repriced["rows"]:
+        assert row["times_s"] == [measured]
+        # The same step, fewer model FLOPs: the lookup's 6·V·D per token are gone, nothing else moved.
+        assert row["mfu"] == pytest.approx(rows[0]["mfu"] * (old_flops - 6 * lookup) / old_flops)
+        assert set(row["predicted"]) == {"profiled", "h100-dgx (datasheet)"}
+        profiled = row["predicted"]["profiled"]
+        assert profiled["ratio"] == pytest.approx(profiled["step_s"] / measured)
+    assert "recomputed with the models of" in path.with_suffix(".md").read_text()

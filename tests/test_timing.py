@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -278,3 +279,56 @@ def test_matmul_rates_read_per_dtype_or_as_one_table_for_every_dtype():
     raw["device"]["matmul_rates"] = {"fp16": [[8, 2.0]]}
     with pytest.raises(ClusterConfigError, match=r"unknown dtype.*bfloat16, float32"):
         from_dict(raw, "test")
+
+
+def test_an_untied_input_embedding_is_looked_up_not_multiplied():
+    # XLA counts the forward of an untied LLaMA as many FLOPs as the tied one: the lookup multiplies nothing.
+    tokens = np.zeros((2, 8), np.int32)
+    compiled_flops, model_flops = [], []
+    for tied in (False, True):
+        config = dataclasses.replace(MODEL, vocab_size=512, attention="xla", tie_embeddings=tied)
+        model = Llama(config)
+        params = model.init(jax.random.key(0), tokens)
+        forward = jax.jit(lambda p, m=model: m.apply(p, tokens)).lower(params).compile()
+        compiled_flops.append(forward.cost_analysis()["flops"])
+        model_flops.append(llama_workload(config, 8).flops_per_token())
+    assert compiled_flops[0] == compiled_flops[1] and model_flops[0] == model_flops[1]
+    untied = dataclasses.replace(MODEL, vocab_size=512)
+    assert model_flops[0] == 6 * (untied.num_params() - 512 * untied.dim) + 12 * 2 * 4 * 16 * 8
+    # The Trainer's workload finds the lookup in the model's program, as the config says.
+    trainer = aj.Trainer(aj.Plan(CLUSTER, aj.resolve("zero3", CLUSTER), 1), Llama(untied), optax.sgd(0.1),
+                         make_loss_fn(Llama(untied)))  # fmt: skip
+    trainer.setup(jax.random.key(0), np.zeros((8, 8), np.int32))
+    batch = {"inputs": np.zeros((8, 8), np.int32), "targets": np.zeros((8, 8), np.int32)}
+    workload = audit.workload_of(trainer, batch, cost.llama_dims(untied))
+    assert [leaf.path for leaf in workload.leaves if leaf.looked_up] == [("embed",)]
+    assert workload.flops_per_token() == model_flops[0]
+
+
+@pytest.mark.parametrize("style", ["loop", "scan", "stack", "nnx list", "nnx scan"])
+def test_a_traced_models_token_embedding_is_its_only_looked_up_leaf(style):
+    from amsp_jax import workload
+    from tests import model_zoo
+
+    spec = workload.trace(model_zoo.model(style), (np.zeros((2, 8), np.int32),))
+    # Not the learned positions (sliced at fixed rows, then added) nor the head: the token table only.
+    assert [leaf.path[-1] for leaf in spec.leaves if leaf.looked_up] == ["embedding"]
+
+
+def test_a_weight_picked_at_fixed_rows_is_not_looked_up():
+    from flax import linen as nn
+
+    from amsp_jax.layers import looked_up_leaves
+
+    class Loop(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.initializers.normal(), (3, x.shape[-1], x.shape[-1]))
+            table = self.param("table", nn.initializers.normal(), (10, x.shape[-1]))
+            for i in range(3):
+                x = x @ jax.lax.dynamic_index_in_dim(w, i, keepdims=False)
+            return x + jnp.take(table, jnp.argmax(x, -1), axis=0)
+
+    x = np.ones((2, 4), np.float32)
+    params = jax.eval_shape(lambda: Loop().init(jax.random.key(0), x))["params"]
+    assert looked_up_leaves(Loop(), params, (x,)) == {("table",)}
