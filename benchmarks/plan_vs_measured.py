@@ -268,7 +268,10 @@ def main() -> None:
     args.hardware = args.cluster_config
     if args.profile:
         args.hardware = str(Path(args.out) / "plan_vs_measured.cluster.yaml")
-        profile = ["profile", "--out", args.hardware, "--repeats", "5", "--sizes", "4KiB,64KiB,1MiB,16MiB"]
+        # 256 KiB: the small model's once-per-step collectives send 30-300 KB per device, between the
+        # 64 KiB and 1 MiB points, where the time between points is only a line through them.
+        sizes = "4KiB,64KiB,256KiB,1MiB,16MiB"
+        profile = ["profile", "--out", args.hardware, "--repeats", "5", "--sizes", sizes]
         if cli.main([*profile, "--name", "cpu-sim-profiled"]) != 0:
             raise SystemExit("plan_vs_measured: the profile failed")
     results = [run_model(name, args, lambda m: print(m, flush=True)) for name in args.models.split(",")]
