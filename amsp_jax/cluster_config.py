@@ -27,9 +27,11 @@ smallest one costs (latency-bound), above the largest the bandwidth stays flat.
                                   # [bytes per device, GB/s] of an elementwise op into a fresh buffer
     overlap: {enabled, reduction_fraction, interference}   # enabled: false where collectives block compute
     latency: {base_us, intra_hop_us, inter_hop_us}   # optional: NCCL-style ring latency per op
-    memory_passes: {bandwidth_gbps, step_overhead_ms, params, grads, opt_state, model, activations}
+    memory_passes: {bandwidth_gbps, step_overhead_ms, params, grads, opt_state, model, activations,
+                    stored_params}
                                   # optional, written by `amsp-jax profile`: bytes the step's memory-bound
-                                  # kernels touch per byte of each block, and the bandwidth they reach
+                                  # kernels touch per byte of each block, and the bandwidth they reach;
+                                  # stored_params: per fp32 parameter byte where P is stored apart
     bandwidth:
       all-gather | reduce-scatter | all-reduce:
         intra | inter: [[SIZE, GB_PER_S], ...]    # SIZE: bytes, or e.g. "1MiB"
@@ -54,7 +56,11 @@ from amsp_jax.space import Cluster
 KINDS = ("all-gather", "reduce-scatter", "all-reduce")
 # The blocks a step's memory-bound kernels pass over (amsp_jax.timing.memory_times).
 PASS_BLOCKS = ("params", "grads", "opt_state", "model", "activations")
-PASS_KEYS = ("bandwidth_gbps", "step_overhead_ms", *PASS_BLOCKS)
+# Bytes per fp32 parameter byte a step passes over where P is stored apart from the master: a cost the
+# probe steps' times show and their compiled bytes do not (XLA:CPU converts a stored 16-bit weight at
+# each use, from memory the just-gathered master's cast finds in cache).
+STORED_PARAMS = "stored_params"
+PASS_KEYS = ("bandwidth_gbps", "step_overhead_ms", *PASS_BLOCKS, STORED_PARAMS)
 LEVELS = ("intra", "inter")
 # A table measured over one ring of every device of the profiled machines (`flat_ring`): what a flat
 # collective across nodes costs there, latency included, where the two-link formula of
@@ -353,7 +359,7 @@ def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> Clust
         latency_base=latency_s["base_us"],
         latency_intra_hop=latency_s["intra_hop_us"],
         latency_inter_hop=latency_s["inter_hop_us"],
-        memory_passes=passes and {block: passes[block] for block in PASS_BLOCKS},
+        memory_passes=passes and {block: passes[block] for block in (*PASS_BLOCKS, STORED_PARAMS)},
         pass_bandwidth=passes["bandwidth_gbps"] * GB if passes else 0.0,
         step_overhead=passes["step_overhead_ms"] * 1e-3 if passes else 0.0,
         matmul_rates=_matmul_rates(device.get("matmul_rates"), f"{where}: device.matmul_rates"),

@@ -394,7 +394,9 @@ def build_terms(request: Request) -> Terms:
         as_os = memory(plan_axes(cluster, Strategy(t, t, x)), accumulating)
         os_memory[(x, pi)] = float(as_os.master + as_os.opt_state)
         os_update_memory[(x, pi)] = float(as_os.peaks["update"].opt_state)
-        passes[("P", x, pi)] = timing.pass_time("params", two.param_blocks, hardware)
+        passes[("P", x, pi)] = timing.pass_time("params", two.param_blocks, hardware) + (
+            timing.stored_params_time(two.param_blocks, base.num_params, hardware)
+        )
         passes[("G", x, pi)] = timing.pass_time("grads", two.grads, hardware)  # fp32: an accumulator
         passes[("OS", x, pi)] = timing.opt_state_time(as_os, base.precision.param_bytes, hardware)
     pair_memory = {}

@@ -49,7 +49,12 @@ of a step: zero1's replicated fp32 gradient is what makes it slower than zero2 a
 the wire. Their speed depends on the block's size there: an elementwise op into a fresh 4 MiB
 buffer per device ran at 3.2 GB/s and one into 64 MiB at 0.85 (pages the kernel maps on first
 touch), the same op repeated in place over 4 MiB at 31 GB/s; the profile measures that curve
-(`memory_bandwidths`) and each block runs at its size's speed relative to the largest.
+(`memory_bandwidths`) and each block runs at its size's speed relative to the largest. A P stored
+apart from the master costs more than its block's bytes say: XLA:CPU computes a bf16 matmul in
+fp32, so a stored 16-bit weight is converted from memory at each of its uses, where the master
+gathered for zero3 is cast in cache (a 16M LLaMA: zero2 113 ms a step behind zero3 with every
+collective cut to one element, over 129 MB more compiled traffic); the probe steps' times give it
+as `stored_params` bytes per fp32 parameter byte (`stored_params_time`).
 Without measured passes only the optimizer update is priced: it reads the fp32 gradient,
 reads and writes the master and the moments and writes the compute copy, all on the OS block, at
 the device's HBM bandwidth.
@@ -64,7 +69,7 @@ from collections.abc import Mapping
 
 import jax.numpy as jnp
 
-from amsp_jax.cluster_config import ClusterConfig
+from amsp_jax.cluster_config import STORED_PARAMS, ClusterConfig
 from amsp_jax.cost import (
     FP32,
     PHASES,
@@ -244,6 +249,14 @@ def pass_time(block: str, nbytes: float, cluster: ClusterConfig) -> float:
     return cluster.memory_passes[block] * nbytes / (cluster.pass_bandwidth * cluster.pass_speed(nbytes))
 
 
+def stored_params_time(param_block: float, num_params: int, cluster: ClusterConfig) -> float:
+    """Seconds a P stored apart from the master (a nonzero `param_block`) costs beyond its own block's
+    passes: `stored_params` bytes per fp32 parameter byte (0 where the cluster measured none)."""
+    if cluster.memory_passes is None or param_block <= 0:
+        return 0.0
+    return pass_time(STORED_PARAMS, FP32 * num_params, cluster)
+
+
 def fixed_pass_time(num_params: int, activations: float, micro_batches: int, cluster: ClusterConfig) -> float:
     """Seconds of the passes every plan runs and the fixed cost of a step; 0 where the cluster measured no
     passes. The passes over all parameters (gathered weights, full-size gradients) and over one
@@ -274,7 +287,8 @@ def memory_times(memory: Memory, workload: Workload, cluster: ClusterConfig) -> 
     """
     blocks = pass_blocks(memory, workload)
     return {
-        "params": pass_time("params", blocks["params"], cluster),
+        "params": pass_time("params", blocks["params"], cluster)
+        + stored_params_time(blocks["params"], workload.num_params, cluster),
         "grads": pass_time("grads", blocks["grads"], cluster),
         "opt_state": opt_state_time(memory, workload.precision.param_bytes, cluster),
         "every plan": fixed_pass_time(

@@ -48,6 +48,7 @@ def synthetic_cluster(rng: random.Random, nodes: int, per_node: int) -> dict:
             "bandwidth_gbps": rng.uniform(1, 1000),
             "step_overhead_ms": rng.uniform(0, 5),
             **{block: rng.uniform(0, 30) for block in PASS_BLOCKS},
+            "stored_params": rng.uniform(0, 5),
         }
     return config
 

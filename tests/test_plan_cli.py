@@ -164,6 +164,27 @@ def test_probe_fit_recovers_pass_counts_bandwidth_and_overhead():
     assert passes.traffic_error < 1e-6
 
 
+def test_probe_fit_recovers_what_a_stored_p_costs_beyond_its_bytes():
+    # Half the probes cast P from the master (no P block); the others pay a pass over every fp32
+    # parameter byte at 1.5 GB/s that their compiled traffic does not show.
+    rng = np.random.default_rng(3)
+    counts = {"params": 4.0, "grads": 2.5, "opt_state": 18.0, "model": 6.0, "activations": 30.0}
+    probes = []
+    for i in range(12):
+        blocks = list(rng.uniform(1e6, 1e8, len(probe.BLOCKS)))
+        blocks[probe.BLOCKS.index("params")] *= i % 2
+        traffic = sum(counts[b] * x for b, x in zip(probe.BLOCKS, blocks, strict=True))
+        extra = blocks[probe.BLOCKS.index("params")] > 0 and blocks[probe.BLOCKS.index("model")] / 1.5e9
+        probes.append(probe.Probe(str(i), tuple(blocks), int(traffic), 0.02 * i,
+                                  0.02 * i + 0.005 + traffic / 3e9 + extra))  # fmt: skip
+    passes = probe.fit(probes)
+    assert passes.bandwidth == pytest.approx(3e9, rel=1e-6)
+    assert passes.step_overhead_s == pytest.approx(0.005, rel=1e-6)
+    assert passes.stored_params == pytest.approx(2.0, rel=1e-6)  # bytes at 3 GB/s per byte at 1.5
+    # Without a stored P among them the probes say nothing of it.
+    assert probe.fit([p for p in probes if not p.blocks[probe.BLOCKS.index("params")]]).stored_params == 0
+
+
 def test_probe_fit_gives_no_step_a_negative_fixed_cost():
     # Where compute and collectives are priced above what the probes take, the free fit's intercept is
     # negative; a step has no negative fixed cost, so the passes alone are fitted to what is left.

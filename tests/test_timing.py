@@ -166,7 +166,8 @@ def test_per_micro_batch_communication_scales_with_micro_batches():
 def test_memory_passes_are_read_and_checked():
     values = yaml.safe_load(Path("configs/clusters/cpu-sim.yaml").read_text())
     config = from_dict(values)
-    assert config.memory_passes is not None and set(config.memory_passes) == set(PASS_BLOCKS)
+    assert config.memory_passes is not None and set(config.memory_passes) == {*PASS_BLOCKS, "stored_params"}
+    assert config.memory_passes["stored_params"] == 0  # measured before the profile fitted it: none
     assert config.pass_bandwidth > 0
     for bad, message in (
         ({"bandwidth_gbps": 0}, "bandwidth_gbps must be positive"),
@@ -332,3 +333,22 @@ def test_a_weight_picked_at_fixed_rows_is_not_looked_up():
     x = np.ones((2, 4), np.float32)
     params = jax.eval_shape(lambda: Loop().init(jax.random.key(0), x))["params"]
     assert looked_up_leaves(Loop(), params, (x,)) == {("table",)}
+
+
+def test_a_stored_p_costs_the_same_beyond_its_block_whatever_its_size():
+    config = load("configs/clusters/cpu-sim.yaml")
+    passes = dict(config.memory_passes or dict.fromkeys(PASS_BLOCKS, 1.0))
+    plain = dataclasses.replace(config, memory_passes={**passes, "stored_params": 0.0},
+                                pass_bandwidth=config.pass_bandwidth or 1e9)  # fmt: skip
+    stored = dataclasses.replace(plain, memory_passes={**passes, "stored_params": 2.0})
+    w = llama_workload(MODEL, 64, 1, 1)
+    added = {}
+    for name in ("ddp", "zero3", "mics", "zero1", "zero2", "p=2x1,g=4x2,os=4x2"):
+        axes = plan_axes(CLUSTER, aj.resolve(name, CLUSTER))
+        with_it, without = (timing.estimate(axes, w, c).time.step_s for c in (stored, plain))
+        added[name] = with_it - without
+    # P cast from the master where it is used (ddp, zero3, mics): nothing; stored (a replicated or a
+    # half block): the same pass over every fp32 parameter byte.
+    assert added["ddp"] == added["zero3"] == added["mics"] == 0
+    assert added["zero1"] > 0
+    assert added["zero1"] == pytest.approx(added["zero2"]) == pytest.approx(added["p=2x1,g=4x2,os=4x2"])

@@ -53,6 +53,10 @@ def _probe_models() -> list[tuple[Any, int]]:
                      max_seq_len=32, name="probe-b"), 16),
         (LlamaConfig(vocab_size=512, dim=96, n_layers=3, n_heads=3, n_kv_heads=1, ffn_dim=256,
                      max_seq_len=32, name="probe-c"), 32),
+        # One whose stored weights outgrow the host's cache (18M parameters), where a stored P costs
+        # time its bytes do not show (`stored_params`); the three above run zero2 level with zero3.
+        (LlamaConfig(vocab_size=6144, dim=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=1376,
+                     max_seq_len=16, name="probe-d"), 16),
     ]  # fmt: skip
 
 
@@ -117,6 +121,7 @@ class Passes:
     bandwidth: float
     step_overhead_s: float
     traffic_error: float  # largest |predicted / compiled − 1| of the probes' traffic
+    stored_params: float = 0.0  # bytes per fp32 parameter byte a stored P adds (`STORED_PARAMS`)
 
 
 def fit(probes: list[Probe], speed: Callable[[float], float] = lambda nbytes: 1.0) -> Passes:
@@ -143,14 +148,24 @@ def fit(probes: list[Probe], speed: Callable[[float], float] = lambda nbytes: 1.
     # Relative errors count: unweighted, the slowest probes' noise would set the fixed cost, which is
     # most of what the smallest steps have left.
     weight = 1 / np.array([p.measured_s for p in probes])
-    (overhead, seconds_per_byte), *_ = np.linalg.lstsq(
-        np.stack([weight, weight * at_scale], axis=1), weight * rest, rcond=None
-    )
-    if overhead < 0:
-        # A step has no negative fixed cost: fit the passes alone (keeping the free fit's slope with
-        # the intercept dropped would price every step too high by the intercept).
-        scaled = weight * at_scale
-        overhead, seconds_per_byte = 0.0, float(scaled @ (weight * rest) / (scaled @ scaled))
+    # A probe with a P block stores P apart from the master: all its parameters, in fp32 bytes at scale,
+    # are what that costs beyond the block's own passes (`STORED_PARAMS`).
+    model = blocks[:, BLOCKS.index("model")]
+    stored = (blocks[:, BLOCKS.index("params")] > 0) * model / np.vectorize(speed)(model)
+    # Columns: fixed cost, passes, stored P. A step has no negative fixed cost and a stored P no
+    # negative one: a column the fit would give a negative coefficient is dropped and the rest refit
+    # (keeping the free fit's slope with the intercept dropped would price every step too high by it).
+    columns = [weight, weight * at_scale, weight * stored]
+    # Only probes with and without a stored P tell its cost from the passes'.
+    active = [0, 1, 2] if stored.any() and not stored.all() else [0, 1]
+    while True:
+        found, *_ = np.linalg.lstsq(np.stack([columns[i] for i in active], axis=1), weight * rest, rcond=None)
+        negative = [i for i, c in zip(active, found, strict=True) if c < 0 and i != 1]
+        if not negative:
+            break
+        active.remove(negative[0])
+    coefficient = dict.fromkeys(range(3), 0.0) | dict(zip(active, map(float, found), strict=True))
+    overhead, seconds_per_byte = coefficient[0], coefficient[1]
     if seconds_per_byte <= 0:
         raise SystemExit(
             "amsp-jax profile: the probe steps' times do not grow with their memory passes (a busy "
@@ -161,4 +176,5 @@ def fit(probes: list[Probe], speed: Callable[[float], float] = lambda nbytes: 1.
         float(1 / seconds_per_byte),
         max(0.0, float(overhead)),
         float(np.max(np.abs(modelled / traffic - 1))),
+        coefficient[2] / seconds_per_byte,
     )

@@ -363,13 +363,15 @@ def run(args: argparse.Namespace) -> int:
             f"  bandwidth_gbps: {passes.bandwidth / 1e9:.4g}",
             f"  step_overhead_ms: {passes.step_overhead_s * 1e3:.4g}",
             *(f"  {block}: {count:.4g}" for block, count in passes.per_byte.items()),
+            f"  stored_params: {passes.stored_params:.4g}     # per fp32 parameter byte, P stored apart",
         ]
         out.write_text("\n".join(lines) + "\n")
         config = load(out)
         print(f"  memory passes at {passes.bandwidth / 1e9:.3g} GB/s, {passes.step_overhead_s * 1e3:.3g} ms "
               f"per step; bytes per block byte: "
               + ", ".join(f"{b} {c:.3g}" for b, c in passes.per_byte.items())
-              + f" (compiled traffic within {passes.traffic_error:.0%})")  # fmt: skip
+              + f" (compiled traffic within {passes.traffic_error:.0%}); a stored P "
+              + f"{passes.stored_params:.3g} per fp32 parameter byte")  # fmt: skip
     print(f"amsp-jax profile: wrote {out} ({config.name}: {nodes} nodes x {per_node} {platform} devices)")
     for kind in tables:
         for level in LEVELS:
