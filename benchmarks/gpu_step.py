@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding
 
 import amsp_jax as aj
 from amsp_jax import audit, config_files, cost, gpu_target, hlo, timing, xla
-from amsp_jax.cluster_config import from_dict, load
+from amsp_jax.cluster_config import ClusterConfig, from_dict, load
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from amsp_jax.sharding import batch_spec
 from benchmarks.step_time import abstract, make_batch, optimizer
@@ -242,6 +242,12 @@ def modelled(
     }
 
 
+def hardware_for(profiled: ClusterConfig) -> dict[str, ClusterConfig]:
+    """The two cluster configs a pair is priced with, for one device: the device's profile and the
+    shipped `h100-dgx` datasheet config (whose peak is also MFU's)."""
+    return {"profiled": profiled.with_shape(1, 1), "h100-dgx (datasheet)": load("h100-dgx").with_shape(1, 1)}
+
+
 def reprice(path: Path, target: str = "h100-sxm") -> str:
     """Recompute a run's model-derived numbers (MFU, predictions) with today's models and its own profile,
     its measured times kept; the step is rebuilt here for one GPU of `target` (compiled for nothing).
@@ -250,10 +256,7 @@ def reprice(path: Path, target: str = "h100-sxm") -> str:
     config = model_of(report)
     model = Llama(config)
     device = gpu_target.topology(target, 1, 1)[0]
-    hardware = {
-        "profiled": from_dict(yaml.safe_load(report["profile"])).with_shape(1, 1),
-        "h100-dgx (datasheet)": load("h100-dgx").with_shape(1, 1),
-    }
+    hardware = hardware_for(from_dict(yaml.safe_load(report["profile"])))
     lines = []
     for row in report["rows"]:
         if "mfu" not in row:
@@ -513,10 +516,7 @@ def main() -> int:
     device = jax.devices()[0]
     print(f"jax {jax.__version__} on {device.device_kind} ({device.platform})", flush=True)
     profiled = Path(args.profile) if args.profile else profile_device(out)
-    hardware = {
-        "profiled": load(profiled).with_shape(1, 1),
-        "h100-dgx (datasheet)": load("h100-dgx").with_shape(1, 1),
-    }
+    hardware = hardware_for(load(profiled))
     model = Llama(config)
     report: dict[str, Any] = {
         "model": config.name,
