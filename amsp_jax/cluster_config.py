@@ -28,10 +28,11 @@ smallest one costs (latency-bound), above the largest the bandwidth stays flat.
     overlap: {enabled, reduction_fraction, interference}   # enabled: false where collectives block compute
     latency: {base_us, intra_hop_us, inter_hop_us}   # optional: NCCL-style ring latency per op
     memory_passes: {bandwidth_gbps, step_overhead_ms, params, grads, opt_state, model, activations,
-                    stored_params}
+                    stored_params, split_results}
                                   # optional, written by `amsp-jax profile`: bytes the step's memory-bound
                                   # kernels touch per byte of each block, and the bandwidth they reach;
-                                  # stored_params: per fp32 parameter byte where P is stored apart
+                                  # stored_params: per fp32 parameter byte where P is stored apart;
+                                  # split_results: per byte a split collective's stages hand on
     bandwidth:
       all-gather | reduce-scatter | all-reduce:
         intra | inter: [[SIZE, GB_PER_S], ...]    # SIZE: bytes, or e.g. "1MiB"
@@ -60,7 +61,13 @@ PASS_BLOCKS = ("params", "grads", "opt_state", "model", "activations")
 # probe steps' times show and their compiled bytes do not (XLA:CPU converts a stored 16-bit weight at
 # each use, from memory the just-gathered master's cast finds in cache).
 STORED_PARAMS = "stored_params"
-PASS_KEYS = ("bandwidth_gbps", "step_overhead_ms", *PASS_BLOCKS, STORED_PARAMS)
+# Bytes' worth of passes per byte of the results a split collective's stages hand on, which a backend
+# running collectives wider than their dtype rounds in kernels of their own (`cost.rounded_bytes`):
+# 2 by the compiled bytes (read and write); the probe steps time what a split costs a running step
+# beyond its collectives' tables, which on XLA:CPU is several times that.
+SPLIT_RESULTS = "split_results"
+PASS_KEYS = ("bandwidth_gbps", "step_overhead_ms", *PASS_BLOCKS, STORED_PARAMS, SPLIT_RESULTS)
+PASS_DEFAULTS = {SPLIT_RESULTS: 2.0}
 LEVELS = ("intra", "inter")
 # A table measured over one ring of every device of the profiled machines (`flat_ring`): what a flat
 # collective across nodes costs there, latency included, where the two-link formula of
@@ -359,7 +366,7 @@ def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> Clust
         latency_base=latency_s["base_us"],
         latency_intra_hop=latency_s["intra_hop_us"],
         latency_inter_hop=latency_s["inter_hop_us"],
-        memory_passes=passes and {block: passes[block] for block in (*PASS_BLOCKS, STORED_PARAMS)},
+        memory_passes=passes and {key: passes[key] for key in (*PASS_BLOCKS, STORED_PARAMS, SPLIT_RESULTS)},
         pass_bandwidth=passes["bandwidth_gbps"] * GB if passes else 0.0,
         step_overhead=passes["step_overhead_ms"] * 1e-3 if passes else 0.0,
         matmul_rates=_matmul_rates(device.get("matmul_rates"), f"{where}: device.matmul_rates"),
@@ -404,7 +411,7 @@ def _memory_passes(section: Any, where: str) -> dict[str, float] | None:
         raise ClusterConfigError(f"{where}: unknown memory_passes key(s) {unknown}; use {PASS_KEYS}")
     found = {}
     for key in PASS_KEYS:
-        value = section.get(key, 0.0)
+        value = section.get(key, PASS_DEFAULTS.get(key, 0.0))
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise ClusterConfigError(f"{where}: memory_passes.{key} = {value!r} is not a number")
         if value < 0 or (key == "bandwidth_gbps" and value == 0):

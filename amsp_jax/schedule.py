@@ -125,7 +125,9 @@ class Op:
     in the per-layer phases of a layer stack, of the whole leaf in the once-per-step reduction and
     refresh; None means the op runs on the flattened buffer (the hierarchical all-reduce). `unit`: the
     layer group (a stack's or a block's path) whose layers the op runs with, for the per-layer ops;
-    None for ops that run with every leaf of their phase (`launches` merges by it).
+    None for ops that run with every leaf of their phase (`launches` merges by it). `feeds`: its result
+    is the next collective's input, a stage of a chain (a split collective, or a leaf split over two
+    dimensions), not a value the step uses.
     """
 
     phase: str
@@ -139,6 +141,7 @@ class Op:
     itemsize: int
     executions: int
     unit: tuple[str, ...] | None = None
+    feeds: bool = False
 
     def bytes_sent(self, min_itemsize: int = 1) -> int:
         """Bytes this device sends in one execution (nccl-tests ring convention)."""
@@ -170,6 +173,11 @@ def nodes_spanned(axes: AxisPlan, group_axes: Sequence[str]) -> int:
 
 def _level(axes: AxisPlan, group_axes: Sequence[str]) -> str:
     return "inter" if any(axes.is_inter(a) for a in group_axes) else "intra"
+
+
+def chained(ops: list[Op]) -> list[Op]:
+    """The stages of one collective chain, each but the last marked as feeding the next."""
+    return [dataclasses.replace(op, feeds=True) for op in ops[:-1]] + ops[-1:]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +214,7 @@ class _Builder:
         for run, dim in reversed(self.pieces(group_axes, dims)):
             ops.append(self.op(phase, ALL_GATHER, run, dim, elements, itemsize, executions))
             elements *= self.axes.size(run)
-        return ops
+        return chained(ops)
 
     def reduce_scatter(
         self, phase: str, group_axes: Sequence[str], dims: Dims, full: int, itemsize: int, executions: int
@@ -216,7 +224,7 @@ class _Builder:
         for run, dim in self.pieces(group_axes, dims):
             ops.append(self.op(phase, REDUCE_SCATTER, run, dim, elements, itemsize, executions))
             elements //= self.axes.size(run)
-        return ops
+        return chained(ops)
 
     def all_reduce(
         self, phase: str, group_axes: Sequence[str], elements: int, itemsize: int, executions: int
@@ -230,11 +238,11 @@ class _Builder:
         if not (self.hierarchical and intra and inter and elements % self.axes.size(intra) == 0):
             return [self.op(phase, ALL_REDUCE, group_axes, None, elements, itemsize, executions)]
         piece = elements // self.axes.size(intra)
-        return [
+        return chained([
             self.op(phase, REDUCE_SCATTER, intra, None, elements, itemsize, executions),
             self.op(phase, ALL_REDUCE, inter, None, piece, itemsize, executions),
             self.op(phase, ALL_GATHER, intra, None, piece, itemsize, executions),
-        ]
+        ])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,7 +54,11 @@ apart from the master costs more than its block's bytes say: XLA:CPU computes a 
 fp32, so a stored 16-bit weight is converted from memory at each of its uses, where the master
 gathered for zero3 is cast in cache (a 16M LLaMA: zero2 113 ms a step behind zero3 with every
 collective cut to one element, over 129 MB more compiled traffic); the probe steps' times give it
-as `stored_params` bytes per fp32 parameter byte (`stored_params_time`).
+as `stored_params` bytes per fp32 parameter byte (`stored_params_time`). A collective split into
+stages on a backend that runs it wider than its dtype (XLA:CPU, bf16) rounds each stage's result in
+a kernel of its own before the next stage reads it (`cost.rounded_bytes`: exactly the compiled bytes a
+split step adds over its flat form); those passes belong to the collective (`rounding_time`), priced
+at `split_results` bytes per byte, which the probe steps time zero3 split against flat for.
 Without measured passes only the optimizer update is priced: it reads the fp32 gradient,
 reads and writes the master and the moments and writes the compute copy, all on the OS block, at
 the device's HBM bandwidth.
@@ -69,7 +73,7 @@ from collections.abc import Mapping
 
 import jax.numpy as jnp
 
-from amsp_jax.cluster_config import STORED_PARAMS, ClusterConfig
+from amsp_jax.cluster_config import PASS_DEFAULTS, SPLIT_RESULTS, STORED_PARAMS, ClusterConfig
 from amsp_jax.cost import (
     FP32,
     PHASES,
@@ -155,10 +159,25 @@ def transfer_time(t: Transfer, cluster: ClusterConfig) -> float:
     """Seconds of one (merged) transfer on `cluster`.
 
     A collective-permute (XLA's, in the optimizer's update) sends one buffer to one other device: it
-    is priced as an all-gather over two devices, one ring step at the link's bandwidth.
+    is priced as an all-gather over two devices, one ring step at the link's bandwidth. A chain's
+    intermediate results that the backend rounds in passes of their own (`rounding_time`) belong to it.
     """
     kind = "all-gather" if t.kind == COLLECTIVE_PERMUTE else t.kind
-    return cluster.collective_time(kind, t.level, t.bytes, t.executions, t.group, t.nodes)
+    return cluster.collective_time(kind, t.level, t.bytes, t.executions, t.group, t.nodes) + rounding_time(
+        t, cluster
+    )
+
+
+def rounding_time(t: Transfer, cluster: ClusterConfig) -> float:
+    """Seconds of the passes that round a chain's intermediate results (`cost.rounded_bytes`): with
+    measured passes, `split_results` bytes per byte at their speed for buffers of that size; else
+    read and written once at the device's bandwidth."""
+    if not t.rounded:
+        return 0.0
+    if cluster.memory_passes is None:
+        return 2 * t.rounded / cluster.hbm_bandwidth
+    speed = cluster.pass_bandwidth * cluster.pass_speed(t.rounded / max(t.executions, 1))
+    return cluster.memory_passes.get(SPLIT_RESULTS, PASS_DEFAULTS[SPLIT_RESULTS]) * t.rounded / speed
 
 
 def communication_times(traffic: Traffic, cluster: ClusterConfig) -> dict[str, float]:

@@ -185,6 +185,31 @@ def test_probe_fit_recovers_what_a_stored_p_costs_beyond_its_bytes():
     assert probe.fit([p for p in probes if not p.blocks[probe.BLOCKS.index("params")]]).stored_params == 0
 
 
+def test_probe_fit_prices_a_split_by_what_it_ran_beyond_its_flat_twin():
+    # Four probes also run split: their own flat twin's time, 20 ms less priced collectives, plus their
+    # rounded results at 0.5 GB/s; their passes, blocks and traffic are the twin's. They must not move
+    # the pass fit, and the split's price is 6 bytes' worth at 3 GB/s per rounded byte.
+    rng = np.random.default_rng(5)
+    counts = {"params": 4.0, "grads": 2.5, "opt_state": 18.0, "model": 6.0, "activations": 30.0}
+    probes = []
+    for i in range(10):
+        blocks = tuple(rng.uniform(1e6, 1e8, len(probe.BLOCKS)))
+        traffic = sum(counts[b] * x for b, x in zip(probe.BLOCKS, blocks, strict=True))
+        probes.append(probe.Probe(str(i), blocks, int(traffic), 0.02 * i, 0.02 * i + 0.005 + traffic / 3e9))
+    flat_only = probe.fit(probes)
+    assert flat_only.split_results == 2.0  # no pair timed: the compiled bytes' read and write
+    for twin in probes[:4]:
+        rounded = twin.blocks[0] / 10
+        split = twin.measured_s - 0.02 + rounded / 0.5e9
+        other = twin.predicted_other_s - 0.02
+        label = f"{twin.label} split"
+        probes.append(probe.Probe(label, twin.blocks, twin.traffic, other, split, rounded, twin.label))
+    passes = probe.fit(probes)
+    assert passes.bandwidth == pytest.approx(flat_only.bandwidth, rel=1e-9)
+    assert passes.step_overhead_s == pytest.approx(flat_only.step_overhead_s, rel=1e-9)
+    assert passes.split_results == pytest.approx(6.0, rel=1e-6)
+
+
 def test_probe_fit_gives_no_step_a_negative_fixed_cost():
     # Where compute and collectives are priced above what the probes take, the free fit's intercept is
     # negative; a step has no negative fixed cost, so the passes alone are fitted to what is left.

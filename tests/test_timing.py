@@ -166,8 +166,10 @@ def test_per_micro_batch_communication_scales_with_micro_batches():
 def test_memory_passes_are_read_and_checked():
     values = yaml.safe_load(Path("configs/clusters/cpu-sim.yaml").read_text())
     config = from_dict(values)
-    assert config.memory_passes is not None and set(config.memory_passes) == {*PASS_BLOCKS, "stored_params"}
+    assert config.memory_passes is not None
+    assert set(config.memory_passes) == {*PASS_BLOCKS, "stored_params", "split_results"}
     assert config.memory_passes["stored_params"] == 0  # measured before the profile fitted it: none
+    assert config.memory_passes["split_results"] == 2  # nor this: the compiled bytes, read and written
     assert config.pass_bandwidth > 0
     for bad, message in (
         ({"bandwidth_gbps": 0}, "bandwidth_gbps must be positive"),
@@ -199,12 +201,14 @@ def test_a_small_block_passes_at_its_measured_speed():
             from_dict(values)
 
 
-def _demo_step(strategy: str, micro_batches: int = 1) -> tuple[aj.Trainer, dict, str, LlamaConfig]:
+def _demo_step(
+    strategy: str, micro_batches: int = 1, hierarchical: bool = False
+) -> tuple[aj.Trainer, dict, str, LlamaConfig]:
     """The `make demo` model's step under `strategy` with one sequence per device and micro-batch: its
     trainer, batch, compiled program text and model config."""
     config = LlamaConfig.from_yaml("configs/models/small.yaml")
     plan = aj.Plan(CLUSTER, aj.resolve(strategy, CLUSTER) if "=" not in strategy else strategy,
-                   micro_batches, precision="mixed", remat="full", hierarchical=False)  # fmt: skip
+                   micro_batches, precision="mixed", remat="full", hierarchical=hierarchical)  # fmt: skip
     model = Llama(config)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=0.1))
     trainer = aj.Trainer(plan, model, optimizer, make_loss_fn(model))
@@ -232,6 +236,29 @@ def test_memory_passes_predict_the_compiled_traffic_of_a_model_and_plans_the_pro
     blocks = timing.pass_blocks(memory, workload)
     predicted = sum(hardware.memory_passes[b] * blocks[b] for b in PASS_BLOCKS)
     assert predicted == pytest.approx(hlo.memory_traffic(text), rel=0.3)
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "p=2x1,g=4x2,os=2x1"])
+def test_a_split_collective_costs_the_compiled_passes_that_round_what_its_stages_pass_on(strategy):
+    """XLA:CPU runs a bf16 collective in fp32: split into stages, each stage's fp32 result is rounded to
+    bf16 in a kernel of its own before the next stage reads it. The compiled split step touches exactly
+    twice those results' bytes more than the flat one, and the time model charges them to the split
+    step alone, by the profile's `split_results`."""
+    hardware = load("cpu-sim")
+    costlier = dataclasses.replace(hardware, memory_passes={**hardware.memory_passes, "split_results": 6.0})
+    texts, rounded, extra = {}, {}, {}
+    for split in (True, False):
+        trainer, batch, texts[split], config = _demo_step(strategy, hierarchical=split)
+        workload = audit.workload_of(trainer, batch, cost.llama_dims(config))
+        transfers = [t for group in timing.traffic(trainer.layout, workload).values() for t in group]
+        rounded[split] = sum(t.rounded for t in transfers)
+        extra[split] = (
+            timing.estimate(trainer.layout, workload, costlier).time.step_s
+            - timing.estimate(trainer.layout, workload, hardware).time.step_s
+        )
+    assert rounded[False] == 0 and rounded[True] > 0
+    assert hlo.memory_traffic(texts[True]) - hlo.memory_traffic(texts[False]) == 2 * rounded[True]
+    assert extra[False] == 0 and extra[True] > 0
 
 
 @pytest.mark.slow

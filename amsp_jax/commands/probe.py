@@ -2,14 +2,16 @@
 
 A step's memory-bound kernels (casts, gradient sinks, the optimizer update, the copies around
 collectives) read and write each state block a number of times that depends on the backend's
-fusion, not on the model. The profile compiles the real step for three probe LLaMA shapes under
+fusion, not on the model. The profile compiles the real step for four probe LLaMA shapes under
 several placements, reads the bytes those kernels touch from each compiled program
 (`amsp_jax.hlo.memory_traffic`), and solves for the bytes per byte of each block: the stored P
 block, the G block, the fp32 master, all parameters (the gathered weights and full-size gradients
-every placement handles) and the activations. Timing the same steps then gives the bandwidth those
-kernels reach while the step runs (each block at its size's speed, `ClusterConfig.pass_speed`),
-and a fixed cost per step (dispatch, the loss reduction), once compute and collectives are priced
-with the tables just measured; the fit weighs each probe by its relative error.
+every placement handles) and the activations. Timing the same steps, in rounds over all of them,
+then gives the bandwidth those kernels reach while the step runs (each block at its size's speed,
+`ClusterConfig.pass_speed`), a fixed cost per step (dispatch, the loss reduction), what a P stored
+apart from the master costs and what a split collective's rounded intermediate results cost (zero3
+is timed flat and split), once compute and collectives are priced with the tables just measured;
+the fit weighs each probe by its relative error.
 
 The update's passes belong to the optimizer as much as to the backend: the probes run the
 examples' AdamW chain (global-norm clipping, then AdamW), fp32 master and moments, bf16 compute.
@@ -27,8 +29,14 @@ import numpy as np
 
 from amsp_jax.cluster_config import PASS_BLOCKS as BLOCKS
 
-PROBE_PLACEMENTS = ("ddp", "zero1", "zero2", "zero3", "mics", "p=1x1,g=4x1,os=4x1", "p=2x1,g=4x2,os=4x2")
-
+# (placement, split collectives): every placement flat, and zero3 split too, so the fit sees what a split
+# costs beyond its bytes (`SPLIT_RESULTS`).
+PROBE_PLACEMENTS = (
+    *((name, False) for name in ("ddp", "zero1", "zero2", "zero3", "mics")),
+    ("p=1x1,g=4x1,os=4x1", False),
+    ("p=2x1,g=4x2,os=4x2", False),
+    ("zero3", True),
+)
 
 @dataclasses.dataclass(frozen=True)
 class Probe:
@@ -37,8 +45,10 @@ class Probe:
     label: str
     blocks: tuple[float, ...]  # bytes per device of each block, in BLOCKS order
     traffic: int
-    predicted_other_s: float  # compute and collectives by the time model
+    predicted_other_s: float  # compute and collectives by the time model, the rounding passes left out
     measured_s: float
+    rounded: float = 0.0  # bytes of split collectives' rounded results, at scale (`cost.rounded_bytes`)
+    twin: str = ""  # a split probe's flat form, by label
 
 
 def _probe_models() -> list[tuple[Any, int]]:
@@ -61,7 +71,9 @@ def _probe_models() -> list[tuple[Any, int]]:
 
 
 def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Probe]:
-    """Compile, read and time every probe step on this host's devices."""
+    """Compile and read every probe step on this host's devices, then time them all in `repeats` rounds
+    (each round: every probe, one untimed step and two timed), so a slow spell of the machine falls on
+    all of them alike; a probe's time is its median step."""
     import jax
     import optax
 
@@ -70,17 +82,19 @@ def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Prob
     from amsp_jax.models.llama import Llama, make_loss_fn
 
     cluster = cluster_config.cluster()
-    probes = []
+    compiled = []
     for config, seq_len in _probe_models():
         model = Llama(config)
         tokens = np.random.default_rng(0).integers(0, config.vocab_size, (cluster.num_devices, seq_len + 1))
         batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
-        for name in PROBE_PLACEMENTS:
+        for name, split in PROBE_PLACEMENTS:
+            if split and cluster.nodes == 1:
+                continue  # nothing to split
             try:
                 strategy = aj.resolve(name, cluster)
             except ValueError:
                 continue  # a preset this mesh cannot hold (e.g. one device)
-            plan = aj.Plan(cluster, strategy, 1, precision="mixed", remat="full", hierarchical=False,
+            plan = aj.Plan(cluster, strategy, 1, precision="mixed", remat="full", hierarchical=split,
                            prefetch=False)  # fmt: skip
             optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=0.1))
             trainer = aj.Trainer(plan, model, optimizer, make_loss_fn(model))
@@ -89,29 +103,41 @@ def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Prob
             abstract = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), sharded
             )
-            compiled = trainer.compile(trainer.abstract_state(), abstract)
+            step = trainer.compile(trainer.abstract_state(), abstract)
             workload = audit.workload_of(trainer, batch, cost.llama_dims(config))
             estimate = timing.estimate(trainer.layout, workload, cluster_config)
-            step = estimate.time
-            state = trainer.init(jax.random.key(0), batch["inputs"])
-            times = []
-            for _ in range(max(2, repeats) + 1):
+            transfers = [t for group in timing.traffic(trainer.layout, workload).values() for t in group]
+            rounding = sum(timing.rounding_time(t, cluster_config) for t in transfers)
+            rounded = sum(t.rounded / cluster_config.pass_speed(t.rounded / t.executions) for t in transfers
+                          if t.rounded)  # fmt: skip
+            label = f"{config.name} {name}"
+            compiled.append({
+                "label": f"{label} split" if split else label,
+                "twin": label if split else "",
+                "blocks": tuple(timing.pass_blocks(estimate.prediction.memory, workload)[b] for b in BLOCKS),
+                # The rounding passes are priced apart (`rounded`): the blocks' counts leave them out.
+                "traffic": hlo.memory_traffic(step.as_text()) - 2 * sum(t.rounded for t in transfers),
+                "other": estimate.time.compute_s + sum(estimate.time.exposed_s.values()) - rounding,
+                "rounded": rounded,
+                "step": step, "sharded": sharded, "state": trainer.init(jax.random.key(0), batch["inputs"]),
+                "times": [],
+            })  # fmt: skip
+    say(f"  compiled {len(compiled)} probe steps; timing them in {max(2, repeats)} rounds")
+    for _ in range(max(2, repeats)):
+        for probe in compiled:
+            for timed in (False, True, True):
                 start = time.perf_counter()
-                state, metrics = compiled(state, sharded)
-                jax.block_until_ready((state, metrics))
-                times.append(time.perf_counter() - start)
-            del state
-            probes.append(Probe(
-                f"{config.name} {name}",
-                tuple(timing.pass_blocks(estimate.prediction.memory, workload)[b] for b in BLOCKS),
-                hlo.memory_traffic(compiled.as_text()),
-                step.compute_s + sum(step.exposed_s.values()),
-                statistics.median(times[1:]),
-            ))  # fmt: skip
-            say(f"  probe {probes[-1].label}: {probes[-1].traffic / 1e6:.0f} MB of memory passes, "
-                f"{probes[-1].measured_s * 1e3:.0f} ms per step")  # fmt: skip
+                probe["state"], metrics = probe["step"](probe["state"], probe["sharded"])
+                jax.block_until_ready((probe["state"], metrics))
+                if timed:
+                    probe["times"].append(time.perf_counter() - start)
+    probes = []
+    for found in compiled:
+        probes.append(Probe(found["label"], found["blocks"], found["traffic"], found["other"],
+                            statistics.median(found["times"]), found["rounded"], found["twin"]))  # fmt: skip
+        say(f"  probe {found['label']}: {found['traffic'] / 1e6:.0f} MB of memory passes, "
+            f"{probes[-1].measured_s * 1e3:.0f} ms per step")  # fmt: skip
     return probes
-
 
 @dataclasses.dataclass(frozen=True)
 class Passes:
@@ -122,14 +148,17 @@ class Passes:
     step_overhead_s: float
     traffic_error: float  # largest |predicted / compiled − 1| of the probes' traffic
     stored_params: float = 0.0  # bytes per fp32 parameter byte a stored P adds (`STORED_PARAMS`)
+    split_results: float = 2.0  # bytes per byte of a split's rounded results (`SPLIT_RESULTS`)
 
 
 def fit(probes: list[Probe], speed: Callable[[float], float] = lambda nbytes: 1.0) -> Passes:
     """Least-squares pass counts from the compiled traffic, then bandwidth and overhead from the times;
     `speed(nbytes)`: how much faster a pass over a block of that size runs than one at scale
-    (`ClusterConfig.pass_speed`)."""
-    blocks = np.array([p.blocks for p in probes])
-    traffic = np.array([p.traffic for p in probes], dtype=float)
+    (`ClusterConfig.pass_speed`). A split probe (`twin`: its flat form's label) enters only the
+    split's price: what it ran beyond its twin, per byte of its rounded results."""
+    flat = [p for p in probes if not p.twin]
+    blocks = np.array([p.blocks for p in flat])
+    traffic = np.array([p.traffic for p in flat], dtype=float)
     # Nonnegative by construction: a block the fit would give a negative count gets none, and the rest refit.
     active = list(range(len(BLOCKS)))
     while True:
@@ -144,10 +173,10 @@ def fit(probes: list[Probe], speed: Callable[[float], float] = lambda nbytes: 1.
     modelled = touched.sum(axis=1)
     # The bytes the passes would touch at scale (a small block's run faster): what the times fit.
     at_scale = (touched / np.vectorize(speed)(blocks)).sum(axis=1)
-    rest = np.array([p.measured_s - p.predicted_other_s for p in probes])
+    rest = np.array([p.measured_s - p.predicted_other_s for p in flat])
     # Relative errors count: unweighted, the slowest probes' noise would set the fixed cost, which is
     # most of what the smallest steps have left.
-    weight = 1 / np.array([p.measured_s for p in probes])
+    weight = 1 / np.array([p.measured_s for p in flat])
     # A probe with a P block stores P apart from the master: all its parameters, in fp32 bytes at scale,
     # are what that costs beyond the block's own passes (`STORED_PARAMS`).
     model = blocks[:, BLOCKS.index("model")]
@@ -177,4 +206,20 @@ def fit(probes: list[Probe], speed: Callable[[float], float] = lambda nbytes: 1.
         max(0.0, float(overhead)),
         float(np.max(np.abs(modelled / traffic - 1))),
         coefficient[2] / seconds_per_byte,
+        2.0 if (split := split_cost(probes)) is None else split / seconds_per_byte,
     )
+
+
+def split_cost(probes: list[Probe]) -> float | None:
+    """Seconds per byte at scale of a split's rounded results, beyond its priced collectives: each
+    split probe's time over its flat twin's, less what the tables price between the two, fitted
+    through zero (relative errors weighted), never below zero; None where no pair was timed."""
+    by_label = {p.label: p for p in probes}
+    pairs = [(p, by_label[p.twin]) for p in probes if p.twin in by_label and p.rounded > 0]
+    if not pairs:
+        return None
+    weight = np.array([1 / flat.measured_s for _, flat in pairs])
+    rest = lambda p: p.measured_s - p.predicted_other_s  # noqa: E731
+    extra = np.array([rest(split) - rest(flat) for split, flat in pairs])
+    rounded = np.array([split.rounded for split, _ in pairs])
+    return max(0.0, float(np.sum(weight**2 * extra * rounded) / np.sum((weight * rounded) ** 2)))

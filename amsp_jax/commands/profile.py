@@ -364,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
             f"  step_overhead_ms: {passes.step_overhead_s * 1e3:.4g}",
             *(f"  {block}: {count:.4g}" for block, count in passes.per_byte.items()),
             f"  stored_params: {passes.stored_params:.4g}     # per fp32 parameter byte, P stored apart",
+            f"  split_results: {passes.split_results:.4g}     # per byte a split's stages hand on",
         ]
         out.write_text("\n".join(lines) + "\n")
         config = load(out)
@@ -371,7 +372,8 @@ def run(args: argparse.Namespace) -> int:
               f"per step; bytes per block byte: "
               + ", ".join(f"{b} {c:.3g}" for b, c in passes.per_byte.items())
               + f" (compiled traffic within {passes.traffic_error:.0%}); a stored P "
-              + f"{passes.stored_params:.3g} per fp32 parameter byte")  # fmt: skip
+              + f"{passes.stored_params:.3g} per fp32 parameter byte, a split's rounded results "
+              + f"{passes.split_results:.3g} per byte")  # fmt: skip
     print(f"amsp-jax profile: wrote {out} ({config.name}: {nodes} nodes x {per_node} {platform} devices)")
     for kind in tables:
         for level in LEVELS:
