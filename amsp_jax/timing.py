@@ -176,8 +176,14 @@ def rounding_time(t: Transfer, cluster: ClusterConfig) -> float:
         return 0.0
     if cluster.memory_passes is None:
         return 2 * t.rounded / cluster.hbm_bandwidth
-    speed = cluster.pass_bandwidth * cluster.pass_speed(t.rounded / max(t.executions, 1))
-    return cluster.memory_passes.get(SPLIT_RESULTS, PASS_DEFAULTS[SPLIT_RESULTS]) * t.rounded / speed
+    count = cluster.memory_passes.get(SPLIT_RESULTS, PASS_DEFAULTS[SPLIT_RESULTS])
+    return count * rounded_at_scale(t, cluster) / cluster.pass_bandwidth
+
+
+def rounded_at_scale(t: Transfer, cluster: ClusterConfig) -> float:
+    """`t`'s rounded bytes as passes at scale: one execution's buffer passes faster the smaller it is
+    (`ClusterConfig.pass_speed`)."""
+    return t.rounded / cluster.pass_speed(t.rounded / max(t.executions, 1)) if t.rounded else 0.0
 
 
 def communication_times(traffic: Traffic, cluster: ClusterConfig) -> dict[str, float]:

@@ -108,8 +108,7 @@ def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Prob
             estimate = timing.estimate(trainer.layout, workload, cluster_config)
             transfers = [t for group in timing.traffic(trainer.layout, workload).values() for t in group]
             rounding = sum(timing.rounding_time(t, cluster_config) for t in transfers)
-            rounded = sum(t.rounded / cluster_config.pass_speed(t.rounded / t.executions) for t in transfers
-                          if t.rounded)  # fmt: skip
+            rounded = sum(timing.rounded_at_scale(t, cluster_config) for t in transfers)
             label = f"{config.name} {name}"
             compiled.append({
                 "label": f"{label} split" if split else label,
@@ -138,6 +137,7 @@ def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Prob
         say(f"  probe {found['label']}: {found['traffic'] / 1e6:.0f} MB of memory passes, "
             f"{probes[-1].measured_s * 1e3:.0f} ms per step")  # fmt: skip
     return probes
+
 
 @dataclasses.dataclass(frozen=True)
 class Passes:
