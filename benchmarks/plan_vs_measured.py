@@ -10,9 +10,8 @@ configuration keeps from round to round) over all configurations, each round sta
 later, so a slow spell of a shared machine hits them alike; how well the first half of the rounds
 orders the configurations like the second is reported as the run's repeatability. Reported per
 model, for each configuration's median step and for its fastest one (a
-shared machine's interference only ever slows a step, so the fastest is the least disturbed; where the
-planner's choice is also another row, the two timings of one program show which resolves better):
-predicted beside measured, their ratio, Spearman's rank correlation, and the planner's choice against
+shared machine's interference only ever slows a step, so the fastest is the least disturbed; the
+planner's choice is timed once, as its own row or as the row of the same plan): predicted beside measured, their ratio, Spearman's rank correlation, and the planner's choice against
 the fastest configuration measured. Writes
 `plan_vs_measured.md`, `.json` and a log-log scatter `.png`.
 
@@ -68,7 +67,9 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def configurations(config: LlamaConfig, seq_len: int, cluster: aj.Cluster, hardware, seed: int, count: int):
-    """(name, Plan) pairs: the presets, `count` random valid strategies, the planner's choice."""
+    """(name, Plan) pairs: the presets, `count` random valid strategies, the planner's choice (named
+    `chosen`, or where it is one of the others' plan, that one renamed `<name> (chosen)`: one program is
+    timed once, since two copies of it measured up to 1.05x apart)."""
     request = partitioner.make_request(
         config, hardware, cluster.nodes, seq_len=seq_len, global_batch=cluster.num_devices,
         micro_batch_size=1, remat="full",
@@ -85,9 +86,14 @@ def configurations(config: LlamaConfig, seq_len: int, cluster: aj.Cluster, hardw
     others = [s for s in partitioner.valid_strategies(terms) if str(s) not in seen]
     for strategy in random.Random(seed).sample(others, min(count, len(others))):
         plans.append((str(strategy), dataclasses.replace(plans[0][1], strategy=strategy)))
-    plans.append(("chosen", chosen.to_plan(cluster, "mixed")))
     other = dataclasses.replace(plans[3][1], hierarchical=not implementation.hierarchical)
     plans.append(("zero3 flat" if implementation.hierarchical else "zero3 split", other))
+    choice = chosen.to_plan(cluster, "mixed")
+    same = [i for i, (_, plan) in enumerate(plans) if plan.describe() == choice.describe()]
+    if same:
+        plans[same[0]] = (f"{plans[same[0]][0]} (chosen)", plans[same[0]][1])
+    else:
+        plans.append(("chosen", choice))
     return plans
 
 
@@ -137,7 +143,7 @@ def run_model(name: str, args: argparse.Namespace, say) -> dict:
         row["least_s"] = min(row["times"])
         row["ratio"] = row["predicted_s"] / row["measured_s"]
         row["least_ratio"] = row["predicted_s"] / row["least_s"]
-    chosen = next(r for r in rows if r["name"] == "chosen")
+    chosen = next(r for r in rows if is_chosen(r))
     predicted = [r["predicted_s"] for r in rows]
 
     def summary(key: str, ratio: str) -> dict:
@@ -169,18 +175,9 @@ def repeatability(rows: list[dict], rounds: int) -> float:
     return spearman(half(True), half(False))
 
 
-def resolution(rows: list[dict]) -> list[str]:
-    """Where the planner's choice is also another row's plan, the two are one program timed twice:
-    how far apart they measured is what this run can resolve."""
-    chosen = next(r for r in rows if r["name"] == "chosen")
-    twins = [r for r in rows if r is not chosen and r["plan"] == chosen["plan"]]
-    apart = lambda key, twin: max(chosen[key], twin[key]) / min(chosen[key], twin[key])  # noqa: E731
-    return [
-        f"The choice is the same plan as `{twin['name']}` (one program, timed as two rows): their medians "
-        f"are {apart('measured_s', twin):.2f}x apart, their fastest steps {apart('least_s', twin):.2f}x: "
-        "the resolution of this run.\n"
-        for twin in twins
-    ]
+def is_chosen(row: dict) -> bool:
+    """Whether `row` is the planner's choice (`configurations`)."""
+    return row["name"] == "chosen" or row["name"].endswith(" (chosen)")
 
 
 def write(results: list[dict], out: Path, command: str, hardware: str, seconds: float) -> None:
@@ -209,7 +206,6 @@ def write(results: list[dict], out: Path, command: str, hardware: str, seconds: 
             ),
             f"Repeatability: the medians of the first and the second half of the rounds order the "
             f"configurations alike at Spearman {model['repeatability']:.2f}.\n",
-            *resolution(model["rows"]),
             "| configuration | plan | predicted (s) | measured median (s) | fastest step (s) | "
             "predicted / median | predicted / fastest |",
             "|---|---|---:|---:|---:|---:|---:|",
