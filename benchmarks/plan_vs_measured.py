@@ -9,11 +9,11 @@ measured: rounds of (one untimed step, then timed steps for at least `--min-seco
 configuration keeps from round to round) over all configurations, each round starting one place
 later, so a slow spell of a shared machine hits them alike; how well the first half of the rounds
 orders the configurations like the second is reported as the run's repeatability. Reported per
-model, for each configuration's median step and for its fastest one (a
-shared machine's interference only ever slows a step, so the fastest is the least disturbed; the
-planner's choice is timed once, as its own row or as the row of the same plan): predicted beside measured, their ratio, Spearman's rank correlation, and the planner's choice against
-the fastest configuration measured. Writes
-`plan_vs_measured.md`, `.json` and a log-log scatter `.png`.
+model, for each configuration's median step and for its fastest one (a shared machine's
+interference only ever slows a step, so the fastest is the least disturbed; the planner's choice is
+timed once, as its own row or as the row of the same plan): predicted beside measured, their ratio,
+Spearman's rank correlation, and the planner's choice against the fastest configuration measured.
+Writes `plan_vs_measured.md`, `.json` and a log-log scatter `.png`.
 
 Run from the repository root:  .venv/bin/python -m benchmarks.plan_vs_measured
 """
