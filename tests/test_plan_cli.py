@@ -147,16 +147,21 @@ def test_a_config_of_several_devices_still_needs_every_bandwidth_table():
     assert not from_dict(values).bandwidth
 
 
-def test_probe_fit_recovers_pass_counts_bandwidth_and_overhead():
-    rng = np.random.default_rng(0)
-    counts = {"params": 9.0, "grads": 2.5, "opt_state": 22.0, "model": 0.0, "activations": 40.0}
+def _synthetic_probes(seed: int, counts: dict[str, float]) -> list[probe.Probe]:
+    """Ten probes of random blocks whose traffic `counts` gives, passed at 3 GB/s with a fixed 5 ms a
+    step on top of what compute and collectives take."""
+    rng = np.random.default_rng(seed)
     probes = []
     for i in range(10):
         blocks = tuple(rng.uniform(1e6, 1e8, len(probe.BLOCKS)))
         traffic = sum(counts[b] * x for b, x in zip(probe.BLOCKS, blocks, strict=True))
-        # 3 GB/s and 5 ms a step on top of what compute and collectives take.
         probes.append(probe.Probe(str(i), blocks, int(traffic), 0.02 * i, 0.02 * i + 0.005 + traffic / 3e9))
-    passes = probe.fit(probes)
+    return probes
+
+
+def test_probe_fit_recovers_pass_counts_bandwidth_and_overhead():
+    counts = {"params": 9.0, "grads": 2.5, "opt_state": 22.0, "model": 0.0, "activations": 40.0}
+    passes = probe.fit(_synthetic_probes(0, counts))
     for block, count in counts.items():
         assert passes.per_byte[block] == pytest.approx(count, rel=1e-6, abs=1e-6)
     assert passes.bandwidth == pytest.approx(3e9, rel=1e-6)
@@ -189,13 +194,8 @@ def test_probe_fit_prices_a_split_by_what_it_ran_beyond_its_flat_twin():
     # Four probes also run split: their own flat twin's time, 20 ms less priced collectives, plus their
     # rounded results at 0.5 GB/s; their passes, blocks and traffic are the twin's. They must not move
     # the pass fit, and the split's price is 6 bytes' worth at 3 GB/s per rounded byte.
-    rng = np.random.default_rng(5)
     counts = {"params": 4.0, "grads": 2.5, "opt_state": 18.0, "model": 6.0, "activations": 30.0}
-    probes = []
-    for i in range(10):
-        blocks = tuple(rng.uniform(1e6, 1e8, len(probe.BLOCKS)))
-        traffic = sum(counts[b] * x for b, x in zip(probe.BLOCKS, blocks, strict=True))
-        probes.append(probe.Probe(str(i), blocks, int(traffic), 0.02 * i, 0.02 * i + 0.005 + traffic / 3e9))
+    probes = _synthetic_probes(5, counts)
     flat_only = probe.fit(probes)
     assert flat_only.split_results == 2.0  # no pair timed: the compiled bytes' read and write
     for twin in probes[:4]:
