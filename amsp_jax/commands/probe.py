@@ -38,6 +38,7 @@ PROBE_PLACEMENTS = (
     ("zero3", True),
 )
 
+
 @dataclasses.dataclass(frozen=True)
 class Probe:
     """One compiled probe step: its state blocks (bytes per device), traffic and timing."""
