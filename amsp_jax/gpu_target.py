@@ -8,8 +8,9 @@ plan out over real nodes, and `Trainer.compile` runs XLA's full GPU pipeline (la
 scheduler, loop pipelining) with the library's GPU options.
 
 Needs the `gpu-aot` extra (`jax-cuda12-plugin`, `jax-cuda12-pjrt` at jaxlib's version, and
-`nvidia-cuda-nvcc-cu12` for ptxas) and JAX started with `JAX_PLATFORMS=cpu`: otherwise the plugin
-tries to load the CUDA driver, fails, and registers no topology.
+`nvidia-cuda-nvcc-cu12` for ptxas; a CUDA 13 JAX's `jax-cuda13-*` plugin and a toolkit's ptxas do too)
+and JAX started with `JAX_PLATFORMS=cpu`: otherwise the plugin tries to load the CUDA driver, fails,
+and registers no topology.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shutil
 from importlib import metadata
 
 import jax
 
 from amsp_jax import config_files
 
+# CUDA releases whose JAX plugin compiles for a target: the `gpu-aot` extra's first.
+CUDA_RELEASES = ("12", "13")
 EXTRA_HINT = "install the gpu-aot extra: pip install -e '.[gpu-aot]' (or make test, which installs it)"
 
 
@@ -41,21 +45,41 @@ def target_config(name: str) -> str:
 
 
 def check_packages() -> None:
-    """Raise `TargetError` naming what to install when the CUDA compiler plugin or ptxas is missing."""
+    """Raise `TargetError` naming what to install when the CUDA compiler plugin or ptxas is missing.
+
+    The plugin of either CUDA release will do (`jax-cuda12-*` from the `gpu-aot` extra, or the
+    `jax-cuda13-*` a CUDA 13 JAX install brings), at jaxlib's version; ptxas from its pip package or
+    from a CUDA toolkit on the PATH."""
     jaxlib_version = metadata.version("jaxlib")
-    problems = []
-    for package in ("jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12"):
-        try:
-            version = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            problems.append(f"{package} is not installed")
-            continue
-        if package.startswith("jax-") and version != jaxlib_version:
-            problems.append(f"{package} is {version}, jaxlib is {jaxlib_version}")
-    if problems:
+    problems: dict[str, list[str]] = {}
+    for cuda in CUDA_RELEASES:
+        for package in (f"jax-cuda{cuda}-plugin", f"jax-cuda{cuda}-pjrt"):
+            try:
+                version = metadata.version(package)
+            except metadata.PackageNotFoundError:
+                problems.setdefault(cuda, []).append(f"{package} is not installed")
+                continue
+            if version != jaxlib_version:
+                problems.setdefault(cuda, []).append(f"{package} is {version}, jaxlib is {jaxlib_version}")
+    ready = [cuda for cuda in CUDA_RELEASES if cuda not in problems]
+    missing = [] if ready else problems[CUDA_RELEASES[0]]
+    if not _has_ptxas():
+        missing.append("nvidia-cuda-nvcc-cu12 is not installed and no ptxas is on the PATH")
+    if missing:
         raise TargetError(
-            f"compiling for a GPU target needs the CUDA compiler plugin: {'; '.join(problems)}; {EXTRA_HINT}"
+            f"compiling for a GPU target needs the CUDA compiler plugin: {'; '.join(missing)}; {EXTRA_HINT}"
         )
+
+
+def _has_ptxas() -> bool:
+    def installed(package: str) -> bool:
+        try:
+            return bool(metadata.version(package))
+        except metadata.PackageNotFoundError:
+            return False
+
+    packaged = any(installed(f"nvidia-cuda-nvcc-cu{cuda}") for cuda in CUDA_RELEASES)
+    return packaged or shutil.which("ptxas") is not None
 
 
 def topology(name: str, nodes: int, devices_per_node: int) -> list[jax.Device]:

@@ -106,6 +106,29 @@ def test_missing_packages_are_named_with_the_extra(monkeypatch):
         gpu_target.topology("h100-sxm", 2, 8)
 
 
+def test_a_cuda_13_plugin_and_a_toolkits_ptxas_will_do(monkeypatch):
+    # The GPU machines' JAX (0.11.2) brings jax-cuda13-plugin/-pjrt and a CUDA toolkit, not the extra's
+    # cuda12 packages.
+    jaxlib = gpu_target.metadata.version("jaxlib")
+    present = {"jaxlib": jaxlib, "jax-cuda13-plugin": jaxlib, "jax-cuda13-pjrt": jaxlib}
+
+    def version(package: str) -> str:
+        if package not in present:
+            raise gpu_target.metadata.PackageNotFoundError(package)
+        return present[package]
+
+    monkeypatch.setattr(gpu_target.metadata, "version", version)
+    monkeypatch.setattr(gpu_target.shutil, "which", lambda name: f"/usr/local/cuda/bin/{name}")
+    gpu_target.check_packages()
+    monkeypatch.setattr(gpu_target.shutil, "which", lambda name: None)
+    with pytest.raises(gpu_target.TargetError, match=r"no ptxas is on the PATH; install the gpu-aot extra"):
+        gpu_target.check_packages()
+    present["jax-cuda13-pjrt"] = "0.0.1"
+    monkeypatch.setattr(gpu_target.shutil, "which", lambda name: f"/usr/local/cuda/bin/{name}")
+    with pytest.raises(gpu_target.TargetError, match=r"jax-cuda12-plugin is not installed"):
+        gpu_target.check_packages()
+
+
 def test_audit_command_rejects_an_unknown_target(capsys):
     code = cli_main(["audit", "--target", "h200", "--model", "configs/models/tiny.yaml",
                      "--nodes", "2", "--devices-per-node", "4"])  # fmt: skip
@@ -283,12 +306,15 @@ def test_every_collective_in_the_layer_loops_has_compute_between_start_and_done(
 
 @needs_compiler
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="XLA leaves the inter-node stage of a split reduce-scatter exposed")
+@pytest.mark.xfail(
+    strict=True, reason="XLA's analytical estimator leaves a split reduce-scatter's inter-node stage exposed"
+)
 def test_a_split_gradient_reduce_scatter_is_hidden_in_both_stages():
     # zero3 and zero2 with G over both nodes, split: the intra-node reduce-scatter takes the layer's
     # gemms, and the inter-node one over its result (1/8 of the bytes, data-dependent on it) comes
-    # after them with only elementwise kernels between: XLA keeps one collective in flight at a time.
-    # Every other collective in the loop is hidden (per-layer bytes hidden: 80 % split, 82 % flat).
+    # after them with only elementwise kernels between. Every other collective in the loop is hidden
+    # (per-layer bytes hidden: 80 % split, 82 % flat). Compiled without XLA's analytical latency
+    # estimator this passes (81.6 %), but LLaMA-7B zero3 at 1,024 A100s then hides 70 % instead of 92 %.
     r = report("h100-sxm", "zero3", 1, DEEP, True)
     exposed = [(c.name, c.kind, level) for c, level, o in looped_overlaps(r) if not o.hidden]
     assert not exposed, exposed
@@ -409,11 +435,13 @@ def test_a_loop_of_blocks_issues_the_counted_collectives(style, strategy, micro_
 @needs_compiler
 def test_a_step_xla_fails_to_double_buffer_compiles_without_double_buffering():
     """XLA 0.10.2 fails this plan for an H100 with while-loop double buffering on ("Block level fusion
-    config is required for Triton fusions": the loop's clone of a Triton gemm fusion has no tiling); the
-    step compiles without that option, says so, and its bytes are still the predicted ones."""
+    config is required for Triton fusions": the loop's clone of a Triton gemm fusion has no tiling), which
+    effort level O1 also turns on; the step compiles without the two, says so, and its bytes are still
+    the predicted ones."""
     wide = LlamaConfig(
         vocab_size=2048, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=688, max_seq_len=128
     )
-    with pytest.warns(UserWarning, match="xla_gpu_enable_while_loop_double_buffering"):
+    dropped = "'xla_gpu_enable_while_loop_double_buffering', 'optimization_level'"
+    with pytest.warns(UserWarning, match=dropped):
         r = report("h100-sxm", "zero2", 2, config=wide)
     assert r.bytes_match
