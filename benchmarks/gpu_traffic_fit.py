@@ -13,7 +13,10 @@ a form with the shape in it:
 key/value width; d, e, f for the step's remat only) by weighted least squares (relative errors) on
 small LLaMA shapes compiled for one H100 here, then predicts the compiled traffic of every traced
 pair of the given `gpu_step` runs, compiled the same way, and prints both with the other kernels'
-measured seconds. Nothing here runs on a GPU, and the time model does not use the fit yet.
+measured seconds. It also prices each pair as the time model would with that traffic: its compute
+as the run's profile priced it, plus the predicted bytes at the profile's memory bandwidth (the
+largest elementwise pass `amsp-jax profile` timed), beside the measured step. Nothing here runs on a
+GPU, and the time model does not use the fit yet.
 
 Run:  JAX_PLATFORMS=cpu python -m benchmarks.gpu_traffic_fit benchmarks/results/gpu_step_h100.json ...
 """
@@ -27,9 +30,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 from jax.sharding import NamedSharding
 
 from amsp_jax import gpu_target, hlo
+from amsp_jax.cluster_config import from_dict
 from amsp_jax.models.llama import Llama, LlamaConfig
 from amsp_jax.sharding import batch_spec
 from benchmarks.gpu_step import make_trainer, model_of, traced_pairs
@@ -104,21 +109,26 @@ def main() -> int:
         f"within ±{fit_error:.0%}; below, each run's traced pairs, compiled the same way.",
         "",
         "| run | model | batch | M | remat | compiled GB | predicted GB | predicted / compiled "
-        "| other kernels, measured ms | compiled GB / measured s (TB/s) |",
-        "|---|---|---|---|---|---:|---:|---:|---:|---:|",
+        "| other kernels, measured ms | compiled GB / measured s (TB/s) | profiled TB/s "
+        "| step: compute + predicted GB at profiled TB/s (s) | measured step (s) | ratio |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for path in args.runs:
         report = json.loads(Path(path).read_text())
         config = model_of(report)
+        bandwidth = from_dict(yaml.safe_load(report["profile"])).hbm_bandwidth
         for row, host_batch, trainer, other_s in traced_pairs(report, device):
             tokens = row["global_batch"] * report["seq_len"]
             compiled = compiled_traffic(trainer, host_batch)
             terms = features(config, tokens, row["micro_batches"], row["remat"])
             predicted = float(np.dot(terms, coefficients))
+            step = row["predicted"]["profiled"]["compute_s"] + predicted / bandwidth
+            measured = row["measured_s"]
             lines.append(
                 f"| {Path(path).stem} | {report['model']} | {row['global_batch']} | {row['micro_batches']} "
                 f"| {row['remat']} | {compiled / 1e9:.0f} | {predicted / 1e9:.0f} "
-                f"| {predicted / compiled:.2f} | {other_s * 1e3:.1f} | {compiled / other_s / 1e12:.2f} |"
+                f"| {predicted / compiled:.2f} | {other_s * 1e3:.1f} | {compiled / other_s / 1e12:.2f} "
+                f"| {bandwidth / 1e12:.2f} | {step:.3f} | {measured:.3f} | {step / measured:.2f} |"
             )
     lines += ["", f"{time.perf_counter() - began:.0f} s on this machine."]
     Path(args.out).write_text("\n".join(lines) + "\n")
