@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +206,7 @@ class Report:
         """The report as JSON-ready data."""
         return {
             "strategy": self.strategy,
+            "jaxlib": metadata.version("jaxlib"),
             "predicted": {
                 "bytes_per_device": self.predicted.bytes_by_level(),
                 "by_kind": self.predicted.bytes_by_kind_and_level(),
@@ -270,8 +272,9 @@ class Report:
         )
         launched, issued = self.predicted_launches(), self.measured.launches_by_kind_and_level()
         lines = [
-            f"strategy {self.strategy}",
-            f"{'collective':<16}{'level':<7}{'predicted B':>14}{'measured B':>14}      "
+            # The schedule, and so the overlap below, is the installed XLA's: it differs between releases.
+            f"strategy {self.strategy} (compiled by jaxlib {metadata.version('jaxlib')})",
+            f"{'collective':<16}{'level':<7}{'predicted B':>17}{'measured B':>17}      "
             f"{'issued: predicted':>18}{'compiled':>10}",
         ]
         for kind in sorted(set(predicted) | set(measured)):
@@ -280,13 +283,12 @@ class Report:
                 m = measured.get(kind, {}).get(level, 0)
                 if p or m:
                     lines.append(
-                        f"{kind:<16}{level:<7}{p:>14,}{m:>14,}  {'ok' if p == m else 'DIFFERS':<8}"
-                        f"{launched.get(kind, {}).get(level, 0):>14,}"
-                        f"{issued.get(kind, {}).get(level, 0):>10,}"
-                    )
+                        bytes_row(kind, level, p, m, launched.get(kind, {}).get(level, 0),
+                                  issued.get(kind, {}).get(level, 0))
+                    )  # fmt: skip
         lines.append("phases (predicted):")
         for t in self.predicted.transfers:
-            lines.append(f"  {t.phase:<40}{t.kind:<16}{t.level:<7}{t.bytes:>14,}  {t.executions} issued")
+            lines.append(f"  {t.phase:<40}{t.kind:<16}{t.level:<7}{t.bytes:>17,}  {t.executions} issued")
         mem = self.predicted.memory
         peaks = ", ".join(f"{name} {mem.peak(name):,}" for name in cost.PEAKS)
         lines.append(
@@ -305,6 +307,12 @@ class Report:
         return json.dumps(self.to_json(), indent=2)
 
 
+def bytes_row(kind: str, level: str, predicted: int, measured: int, launched: int, issued: int) -> str:
+    """One line of the audit's bytes table: columns wide enough for a 1,024-GPU step's bytes (tens of GB)."""
+    verdict = "ok" if predicted == measured else "DIFFERS"
+    return f"{kind:<16}{level:<7}{predicted:>17,}{measured:>17,}  {verdict:<8}{launched:>14,}{issued:>10,}"
+
+
 def _overlap_lines(summary: dict[str, Any]) -> list[str]:
     """The overlap summary as text lines (none for a program without a schedule to read)."""
     if not summary:
@@ -320,7 +328,8 @@ def _overlap_lines(summary: dict[str, Any]) -> list[str]:
     for e in summary["exposed"]:
         runs = f"{e['level']} x{e['executions']}"
         lines.append(
-            f"  exposed {e['name']:<28}{e['kind']:<16}{runs:<10}{e['phase']:<24}{e['bytes']:>12,}  {e['why']}"
+            f"  exposed {e['name']:<28} {e['kind']:<15} {runs:<10}{e['phase']:<24} {e['bytes']:>14,}  "
+            f"{e['why']}"
         )
     return lines
 
