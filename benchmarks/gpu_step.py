@@ -424,6 +424,13 @@ def cross_fit(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
+def compiled_traffic(trainer: aj.Trainer, host_batch: dict[str, np.ndarray]) -> int:
+    """Bytes the memory-bound kernels of a pair's step touch, compiled here (`hlo.memory_traffic`)."""
+    spec = NamedSharding(trainer.layout.mesh, batch_spec(trainer.layout, 2))
+    batch = abstract(host_batch, {k: spec for k in host_batch})
+    return hlo.memory_traffic(trainer.compile(trainer.abstract_state(), batch).as_text())
+
+
 def traffic_check(paths: list[str], target: str = "h100-sxm") -> str:
     """For every traced pair of each run: the bytes its memory-bound kernels touch in the step compiled
     here for one GPU of `target` (`hlo.memory_traffic`), over the other kernels' measured seconds: the
@@ -435,9 +442,7 @@ def traffic_check(paths: list[str], target: str = "h100-sxm") -> str:
         report = json.loads(Path(path).read_text())
         rates = []
         for row, host_batch, trainer, seconds in traced_pairs(report, device):
-            spec = NamedSharding(trainer.layout.mesh, batch_spec(trainer.layout, 2))
-            batch = abstract(host_batch, {k: spec for k in host_batch})
-            traffic = hlo.memory_traffic(trainer.compile(trainer.abstract_state(), batch).as_text())
+            traffic = compiled_traffic(trainer, host_batch)
             rates.append(traffic / seconds)
             lines.append(
                 f"{report['device']}: batch {row['global_batch']}, M={row['micro_batches']}, "

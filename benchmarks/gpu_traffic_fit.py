@@ -31,14 +31,12 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from jax.sharding import NamedSharding
 
-from amsp_jax import gpu_target, hlo
+from amsp_jax import gpu_target
 from amsp_jax.cluster_config import from_dict
 from amsp_jax.models.llama import Llama, LlamaConfig
-from amsp_jax.sharding import batch_spec
-from benchmarks.gpu_step import make_trainer, model_of, traced_pairs
-from benchmarks.step_time import abstract, make_batch
+from benchmarks.gpu_step import compiled_traffic, make_trainer, model_of, traced_pairs
+from benchmarks.step_time import make_batch
 
 REMATS = ("none", "dots", "full")
 # (width, layers, heads, kv heads, MLP width, vocabulary, sequence, sequences per micro-batch): widths,
@@ -65,13 +63,6 @@ def features(config: LlamaConfig, tokens: int, micro_batches: int, remat: str) -
         on = per_layer if mode == remat else 0.0
         terms += [on * config.dim, on * config.ffn_dim, on * kv_width]
     return terms
-
-
-def compiled_traffic(trainer, host_batch: dict[str, np.ndarray]) -> int:
-    """Bytes the memory-bound kernels of the pair's step touch, compiled here (`hlo.memory_traffic`)."""
-    spec = NamedSharding(trainer.layout.mesh, batch_spec(trainer.layout, 2))
-    batch = abstract(host_batch, {k: spec for k in host_batch})
-    return hlo.memory_traffic(trainer.compile(trainer.abstract_state(), batch).as_text())
 
 
 def fit(device) -> tuple[np.ndarray, float]:
