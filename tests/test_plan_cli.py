@@ -95,6 +95,10 @@ def test_profile_writes_a_cluster_config_the_planner_reads(tmp_path, capsys):
         for level in (*LEVELS, FLAT):
             assert config.bandwidth[(kind, level)].sizes == (4096.0, 16384.0)
     assert config.flat_ring == (8, 2)  # one ring over both simulated nodes
+    # Pairs inside a node, the one smaller group that divides a node of 4 (2 nodes: no smaller one).
+    assert {key: table.sizes for key, table in config.group_bandwidth.items()} == {
+        (kind, "intra", 2): (4096.0, 16384.0) for kind in KINDS
+    }
     assert config.peak_flops > 0 and config.collective_min_itemsize == 4
     # The matmul sweep over tokens, per compute dtype: slower over 2 tokens than over 2048.
     for dtype in MATMUL_DTYPES:

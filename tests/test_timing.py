@@ -90,6 +90,50 @@ def test_a_measured_flat_ring_prices_flat_collectives_of_its_shape_only():
             assert config.collective_time(kind, *args) == formula.collective_time(kind, *args)
 
 
+def test_a_group_smaller_than_its_level_is_priced_from_its_own_table():
+    values = yaml.safe_load(Path("configs/clusters/cpu-sim.yaml").read_text())
+    plain = from_dict(values)
+    pairs = [[4096, 0.5], [2**24, 5.0]]  # far above the intra tables
+    for kind in KINDS:
+        values["bandwidth"][kind]["intra/2"] = pairs
+    config = from_dict(values)
+    size = 2**25  # above the tables: their last bandwidth
+    for kind in KINDS:
+        assert config.collective_time(kind, "intra", size, 1, 2, 1) == pytest.approx(size / 5e9)
+        # The whole node's group, the other level and merged groups (0) keep the level's tables.
+        for args in (("intra", size, 1, 4, 1), ("inter", size, 1, 2, 2), ("intra", size, 1, 0, 0)):
+            assert config.collective_time(kind, *args) == plain.collective_time(kind, *args)
+    # A ring over 2 nodes with 2 devices on each runs its hops inside a node as a pair does: with pairs
+    # slower than the NICs, they set its pace.
+    for kind in KINDS:
+        values["bandwidth"][kind]["intra/2"] = [[4096, 0.0001], [2**24, 0.001]]
+    crawling = from_dict(values)
+    for kind in KINDS:
+        nic = size * 2 / 4
+        inside = crawling.collective_time(kind, "inter", size, 1, 4, 2)
+        assert inside == pytest.approx((size - nic) / 1e6)
+        assert inside > 100 * plain.collective_time(kind, "inter", size, 1, 4, 2)
+    for level, why in (("intra/1", "needs 2 devices"), ("intra-2", "intra/N, inter/N")):
+        values["bandwidth"]["all-gather"] = {**values["bandwidth"]["all-gather"], level: pairs}
+        with pytest.raises(ClusterConfigError, match=why):
+            from_dict(values)
+        values["bandwidth"]["all-gather"].pop(level)
+
+
+def test_the_planner_prices_a_plan_over_pairs_from_the_pairs_table():
+    values = yaml.safe_load(Path("configs/clusters/cpu-sim.yaml").read_text())
+    plain = from_dict(values)
+    for kind in KINDS:
+        values["bandwidth"][kind]["intra/2"] = [[4096, 0.0001], [2**24, 0.001]]  # pairs crawl
+    slow_pairs = from_dict(values)
+    workload = llama_workload(MODEL, 32, 2, 1, remat="full")
+    for strategy, over_pairs in (("p=2x1,g=2x1,os=2x1", True), ("p=4x1,g=4x1,os=4x1", False)):
+        axes = plan_axes(CLUSTER, Strategy.parse(strategy))
+        before = timing.estimate(axes, workload, plain).time.step_s
+        after = timing.estimate(axes, workload, slow_pairs).time.step_s
+        assert (after > 10 * before) if over_pairs else after == before
+
+
 def test_traffic_regroups_exactly_the_cost_models_bytes():
     workload = llama_workload(MODEL, 32, 2, 3, remat="full")
     axes = plan_axes(CLUSTER, Strategy.parse("p=2x1,g=4x1,os=4x2"))
