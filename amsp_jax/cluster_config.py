@@ -37,8 +37,8 @@ smallest one costs (latency-bound), above the largest the bandwidth stays flat.
       all-gather | reduce-scatter | all-reduce:
         intra | inter: [[SIZE, GB_PER_S], ...]    # SIZE: bytes, or e.g. "1MiB"
         intra/N | inter/N: [[SIZE, GB_PER_S], ...]
-                                  # optional, written by `amsp-jax profile`: groups of N devices inside
-                                  # a node (of N nodes), smaller than the level's own table measured
+                                  # optional, written by `amsp-jax profile`: groups of N devices of one
+                                  # node (intra/N) or of N nodes (inter/N), fewer than the level's own
 """
 
 from __future__ import annotations
@@ -241,9 +241,8 @@ class ClusterConfig:
 
     def busbw(self, kind: str, level: str, size: float, group: int = 0) -> float:
         """Bus bandwidth (bytes/s) of a `kind` collective at `level` where one device sends `size` bytes,
-        over `group` devices at that level: the table measured for groups of that size where there is
-        one (a ring of 2 CPU devices ran a 40 KiB all-gather in 35 us, one of 4 in 109), else the
-        level's."""
+        over `group` devices at that level: from the table measured for groups of that size where there
+        is one (a shorter ring runs faster, `amsp_jax.commands.profile.group_meshes`), else the level's."""
         table = self.group_bandwidth.get((kind, level, group)) or self.bandwidth.get((kind, level))
         if table is None:
             why = (

@@ -300,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
     )
     tables: dict[str, dict[str, list[tuple[float, float]]]] = {}
     notes: dict[str, str] = {}
+    groups = group_meshes(devices, nodes, per_node)
     # One device runs no collective: its config gets no bandwidth tables rather than invented ones, and
     # pricing a collective with it says so (`ClusterConfig.busbw`).
     for kind in KINDS if mesh.size > 1 else ():
@@ -312,8 +313,8 @@ def run(args: argparse.Namespace) -> int:
                 rows = tables.get(kind, {}).get(other) or [(s, 1e9) for s in sizes]
                 notes[level] = f"not measured (one device per group): copied from {other}"
             tables.setdefault(kind, {})[level] = rows
-        for level, groups in group_meshes(devices, nodes, per_node).items():
-            for group, sub in groups:
+        for level, level_groups in groups.items():
+            for group, sub in level_groups:
                 tables[kind][f"{level}/{group}"] = [
                     (size, measure_collective(sub, kind, level, size, args.repeats)) for size in sizes
                 ]
