@@ -60,17 +60,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _median_seconds(fn: Callable[[], object], repeats: int, sample_s: float = 0.05) -> float:
     """Median seconds of one call: each sample averages enough calls to last about `sample_s`, since a
     single sub-millisecond call on a busy host is mostly scheduling noise."""
-    fn()  # compile and warm up
-    start = time.perf_counter()
-    fn()
-    calls = max(1, int(sample_s / max(time.perf_counter() - start, 1e-9)))
-    times = []
-    for _ in range(max(1, repeats)):
+    return _median_seconds_each([fn], repeats, sample_s)[0]
+
+
+def _median_seconds_each(
+    fns: list[Callable[[], object]], repeats: int, sample_s: float = 0.05
+) -> list[float]:
+    """`_median_seconds` of each of `fns`, sampled in rounds over all of them: a slow spell of a busy
+    host then falls on every one alike rather than on the few measured during it (one profile's bf16
+    matmuls over 32 and 128 tokens came out at 0.6x the rates of the profiles before and after it,
+    and priced every step of the 16M LLaMA 1.4x too high)."""
+    calls = []
+    for fn in fns:
+        fn()  # compile and warm up
         start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
+        fn()
+        calls.append(max(1, int(sample_s / max(time.perf_counter() - start, 1e-9))))
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(max(1, repeats)):
+        for fn, count, samples in zip(fns, calls, times, strict=True):
+            start = time.perf_counter()
+            for _ in range(count):
+                fn()
+            samples.append((time.perf_counter() - start) / count)
+    return [statistics.median(samples) for samples in times]
 
 
 def _shape(devices: list, nodes: int | None) -> tuple[int, int]:
@@ -203,21 +216,18 @@ def measure_compute(
         matmul = jax.jit(jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(each, each), out_specs=each))
         return 2 * rows * width**2 / _median_seconds(lambda: matmul(a, b).block_until_ready(), repeats)
 
-    def layer_rate(rows: int, width: int, dtype: Any) -> float:
-        def forward_and_backward(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
-            y, backward = jax.vjp(jnp.matmul, a, b)
-            return backward(y)
+    def forward_and_backward(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+        y, backward = jax.vjp(jnp.matmul, a, b)
+        return backward(y)
 
-        flop = 6 * rows * width**2
-        if not cpu:
-            return flop / in_program_seconds(forward_and_backward, random_operands(rows, width, dtype))
+    def layer_program(rows: int, width: int, dtype: Any) -> Callable[[], object]:
         # On XLA:CPU every op of a step pays a thread-pool launch much like a program's, so a program
         # per call stands for the step's op; the CPU mesh's time model is calibrated on this reading.
         a, b = operands(rows, width, dtype)
         step = jax.jit(
             jax.shard_map(forward_and_backward, mesh=mesh, in_specs=(each, each), out_specs=(each, each))
         )
-        return flop / _median_seconds(lambda: jax.block_until_ready(step(a, b)), repeats)
+        return lambda: jax.block_until_ready(step(a, b))
 
     def random_operands(rows: int, width: int, dtype: Any) -> tuple[jax.Array, jax.Array]:
         # Unit-scale values that a chain of products keeps at unit scale: constant inputs can run
@@ -254,7 +264,19 @@ def measure_compute(
     flops = forward_rate(n, n, jnp.float32 if cpu else jnp.bfloat16)
     # An accelerator's micro-batches reach tens of thousands of tokens (8 sequences of 2,048).
     tokens = (2, 8, 32, 128, 512, 2048) + (() if cpu else (8192, 16384))
-    sweep = {dtype: [(t, layer_rate(t, n // 2, jnp.dtype(dtype))) for t in tokens] for dtype in MATMUL_DTYPES}
+    width = n // 2
+    points = [(dtype, t) for dtype in MATMUL_DTYPES for t in tokens]
+    if cpu:
+        programs = [layer_program(t, width, jnp.dtype(dtype)) for dtype, t in points]
+        seconds = _median_seconds_each(programs, repeats)
+    else:
+        seconds = [
+            in_program_seconds(forward_and_backward, random_operands(t, width, jnp.dtype(dtype)))
+            for dtype, t in points
+        ]
+    sweep = {dtype: [] for dtype in MATMUL_DTYPES}
+    for (dtype, t), elapsed in zip(points, seconds, strict=True):
+        sweep[dtype].append((t, 6 * t * width**2 / elapsed))
     scale = jax.jit(jax.shard_map(lambda v: v * 2.0, mesh=mesh, in_specs=each, out_specs=each))
 
     def elementwise_seconds(nbytes: int) -> float:
