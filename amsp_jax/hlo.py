@@ -14,6 +14,10 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "al
 # The start half of an async pair stands for the pair; the -done (and -update) halves are never counted.
 _START_OPCODES = {f"{kind}-start": kind for kind in KINDS}
 _COLLECTIVE_OPCODES = {kind: kind for kind in KINDS} | _START_OPCODES
+# Instructions that start their callee and return before it ends: a generic async-start, and the async
+# fusions (fusion-start / fusion-done) jaxlib 0.11 emits, a scalar all-reduce's among them.
+_ASYNC_WRAPPERS = {"async-start", "fusion-start"}
+_WRAPPER_OPCODES = {"fusion", *_ASYNC_WRAPPERS}
 
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
@@ -216,7 +220,7 @@ def _callees(
         # Only one branch runs, but which one is data dependent: count every branch as run (an upper bound).
         return [(name, 1) for name in _names(branches)]
     # async-done repeats the async-start's calls= in some XLA versions; following only the start counts once.
-    if ins.opcode in ("fusion", "async-start"):
+    if ins.opcode in _WRAPPER_OPCODES:
         return [(_names(attrs["calls"])[0], 1)]
     return []
 
@@ -622,10 +626,10 @@ class Overlap:
         return self.asynchronous and not self.is_sync and bool(self.compute)
 
 
-_DONE_OPCODES = {f"{kind}-done" for kind in KINDS} | {"async-done", "async-update"}
+_DONE_OPCODES = {f"{kind}-done" for kind in KINDS} | {"async-done", "async-update", "fusion-done"}
 _MATRIX_OPCODES = {"dot", "convolution", "custom-call"}
-_CALLING_OPCODES = {"fusion", "call", "while", "conditional", "async-start"}
-_KERNEL_OPCODES = {"fusion", "copy", "copy-start"}
+_CALLING_OPCODES = {"fusion", "call", "while", "conditional", *_ASYNC_WRAPPERS}
+_KERNEL_OPCODES = {"fusion", "fusion-start", "copy", "copy-start"}
 
 
 def _called(ins: _Instruction) -> list[str]:
@@ -661,12 +665,13 @@ def overlaps(hlo_text: str) -> dict[str, Overlap]:
             ins.opcode in _CALLING_OPCODES and any(holds_matrix_work(c) for c in _called(ins))
         )
 
-    # A collective wrapped in a generic async-start (`calls=%wrapped`) is timed by that wrapper.
+    # A collective wrapped in a generic async-start or an async fusion (`calls=%wrapped`) is timed by
+    # that wrapper.
     wrapper_of = {
         callee: (comp, ins)
         for comp, body in computations.items()
         for ins in body.values()
-        if ins.opcode == "async-start"
+        if ins.opcode in _ASYNC_WRAPPERS
         for callee in _names(ins.attrs.get("calls", ""))
     }
     found: dict[str, Overlap] = {}
@@ -677,7 +682,7 @@ def overlaps(hlo_text: str) -> dict[str, Overlap]:
             start, where = ins, comp_name
             if ins.opcode not in _START_OPCODES and comp_name in wrapper_of:
                 where, start = wrapper_of[comp_name]
-            if start.opcode not in _START_OPCODES and start.opcode != "async-start":
+            if start.opcode not in _START_OPCODES and start.opcode not in _ASYNC_WRAPPERS:
                 found[ins.name] = Overlap(ins.name, comp_name, False, True, (), 0)
                 continue
             order = list(computations[where].values())

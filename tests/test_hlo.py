@@ -660,6 +660,46 @@ def test_overlaps_of_an_async_wrapper_and_of_a_loop_holding_compute():
     assert found["rs"].hidden
 
 
+# jaxlib 0.11.2's GPU step (MiCS on 16 H100s) runs the loss's scalar all-reduce as an async fusion.
+ASYNC_FUSION = """
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%fused_all-reduce (param_0: f32[]) -> f32[] {
+  %param_0 = f32[] parameter(0)
+  ROOT %all-reduce.2 = f32[] all-reduce(%param_0), channel_id=3, replica_groups={{0,1},{2,3}},
+      use_global_device_ids=true, to_apply=%add
+}
+
+%gemm (x: bf16[8,8], y: bf16[8,8]) -> bf16[8,8] {
+  %x = bf16[8,8]{1,0} parameter(0)
+  %y = bf16[8,8]{1,0} parameter(1)
+  ROOT %d = bf16[8,8]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (p: f32[], q: bf16[8,8]) -> f32[] {
+  %p = f32[] parameter(0)
+  %q = bf16[8,8]{1,0} parameter(1)
+  %fusion-start = ((f32[]), f32[]) fusion-start(%p), kind=kCustom, calls=%fused_all-reduce,
+      backend_config={"fusion_backend_config":{"kind":"__triton_collective"}}
+  %f = bf16[8,8]{1,0} fusion(%q, %q), kind=kCustom, calls=%gemm
+  ROOT %fusion-done = f32[] fusion-done(%fusion-start)
+}
+"""
+
+
+def test_an_async_fusion_holding_a_collective_is_followed_and_times_it():
+    [reduction] = parse_collectives(ASYNC_FUSION, 4)
+    assert (reduction.name, reduction.computation, reduction.trip_count, reduction.scalar) == (
+        "all-reduce.2", "fused_all-reduce", 1, True,
+    )  # fmt: skip
+    found = overlaps(ASYNC_FUSION)["all-reduce.2"]
+    assert (found.asynchronous, found.compute, found.hidden) == (True, ("f",), True)
+
+
 def _traffic(fn, *args, **jit_kwargs) -> int:
     return memory_traffic(jax.jit(fn, **jit_kwargs).lower(*args).compile().as_text())
 
