@@ -95,13 +95,24 @@ def combine_thresholds(platform: str, layer_bytes: int = 0) -> dict[str, float]:
 # jaxlib 0.11.2 aborts the process in that estimator (a CHECK in CalculateLaunchDimensions on one of
 # the step's loop fusions, seen compiling LLaMA-1B on an H200), so it is asked for only before 0.11.
 ANALYTICAL_ESTIMATOR_BEFORE = (0, 11)
+# From 0.11 the scheduler, on its fixed approximations, keeps one collective in flight: a split
+# gather's two stages and a split gradient reduce-scatter's queue behind each other, and a backward
+# layer's compute hides only some. Two in flight, compiled with jaxlib 0.11.2 for LLaMA-7B at 1,024
+# GPUs (`benchmarks/results/xla_overlap.md`): the share of zero3's per-layer collective bytes with
+# compute between start and done 70.2 -> 98.0 % on H100s and 58.0 -> 63.0 % on A100s, zero2's
+# 60.3 -> 98.4 % and 96.9 -> 99.6 %, MiCS's on A100s unchanged (66.9 %), for 0.1-1.1 GiB more per
+# device. With 0.10.2's estimator it moves those by -0.5..+2.1 points, so there it is left at one.
+PARALLEL_COLLECTIVES_FROM = (0, 11)
 
 
-def analytical_estimator() -> dict[str, object]:
-    """The analytical latency estimator's option, where this jaxlib runs it without aborting."""
-    if tuple(jax.__version_info__[:2]) >= ANALYTICAL_ESTIMATOR_BEFORE:
-        return {}
-    return {"xla_gpu_enable_analytical_latency_estimator": True}
+def scheduler_options() -> dict[str, object]:
+    """The latency-hiding scheduler's options for this jaxlib: the analytical estimator where it runs
+    without aborting, else two collectives in flight."""
+    if tuple(jax.__version_info__[:2]) < ANALYTICAL_ESTIMATOR_BEFORE:
+        return {"xla_gpu_enable_analytical_latency_estimator": True}
+    if tuple(jax.__version_info__[:2]) >= PARALLEL_COLLECTIVES_FROM:
+        return {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
+    return {}
 
 
 # XLA's effort level O1 (`EFFORT_O1` of its `ExecutionOptions`; JAX's `jax_optimization_level`), passed
@@ -123,7 +134,7 @@ def gpu_options(layer_bytes: int = 0, slop_factor: int | None = None) -> dict[st
     return ({"xla_gpu_kernel_cache_file": cache} if cache else {}) | budget | {
         "optimization_level": OPTIMIZATION_LEVEL_O1,
         "xla_gpu_enable_latency_hiding_scheduler": True,
-        **analytical_estimator(),
+        **scheduler_options(),
         "xla_gpu_enable_highest_priority_async_stream": True,
         "xla_gpu_enable_while_loop_double_buffering": True,
         "xla_gpu_enable_pipelined_all_gather": True,

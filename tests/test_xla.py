@@ -40,7 +40,11 @@ def test_one_device_gets_only_the_memory_budget_and_the_cpu_xlas_defaults():
 
 
 def test_the_analytical_estimator_is_asked_for_only_where_jaxlib_runs_it(monkeypatch):
+    limit = "xla_gpu_experimental_parallel_collective_overlap_limit"
     monkeypatch.setattr(jax, "__version_info__", (0, 10, 2))
     assert xla.gpu_options()["xla_gpu_enable_analytical_latency_estimator"] is True
+    assert limit not in xla.gpu_options()
     monkeypatch.setattr(jax, "__version_info__", (0, 11, 2))
     assert "xla_gpu_enable_analytical_latency_estimator" not in xla.gpu_options()
+    # Without the estimator, two collectives in flight.
+    assert xla.gpu_options()[limit] == 2
