@@ -207,7 +207,7 @@ def main() -> int:
     parser.add_argument("--devices-per-node", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument(
-        "--memory-limit", type=float, default=73.6, help="GiB per device (the A800 cluster's)"
+        "--memory-limit", type=float, default=73.6, help="GiB per device (the A800 cluster's); 0: no budget"
     )
     parser.add_argument("--strategies", nargs="+", default=["zero3", "mics"])
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), help="settings joined by +")
@@ -221,7 +221,9 @@ def main() -> int:
         return child(args)
     base = ["--model", args.model, "--target", args.target, "--nodes", str(args.nodes),
             "--devices-per-node", str(args.devices_per_node), "--seq-len", str(args.seq_len),
-            "--precision", "mixed", "--remat", "full", "--memory-limit", str(args.memory_limit)]  # fmt: skip
+            "--precision", "mixed", "--remat", "full"]  # fmt: skip
+    if args.memory_limit > 0:
+        base += ["--memory-limit", str(args.memory_limit)]
     for name in args.variants:
         variant(name)
     jobs = [(v, s) for v in args.variants for s in args.strategies]
