@@ -94,15 +94,14 @@ def combine_thresholds(platform: str, layer_bytes: int = 0) -> dict[str, float]:
 # start and done rises from 66% to 85% for zero3 and from 64% to 92% for mics (zero2: 87% to 79%).
 # jaxlib 0.11.2 aborts the process in that estimator (a CHECK in CalculateLaunchDimensions on one of
 # the step's loop fusions, seen compiling LLaMA-1B on an H200), so it is asked for only before 0.11.
-ANALYTICAL_ESTIMATOR_BEFORE = (0, 11)
-# From 0.11 the scheduler, on its fixed approximations, keeps one collective in flight: a split
+# Without it the scheduler, on its fixed approximations, keeps one collective in flight: a split
 # gather's two stages and a split gradient reduce-scatter's queue behind each other, and a backward
 # layer's compute hides only some. Two in flight, compiled with jaxlib 0.11.2 for LLaMA-7B at 1,024
 # GPUs (`benchmarks/results/xla_overlap.md`): the share of zero3's per-layer collective bytes with
 # compute between start and done 70.2 -> 98.0 % on H100s and 58.0 -> 63.0 % on A100s, zero2's
 # 60.3 -> 98.4 % and 96.9 -> 99.6 %, MiCS's 97.7 -> 97.5 % and 66.9 % (unchanged), for 0.1-1.1 GiB
 # more per device. With 0.10.2's estimator it moves those by -0.5..+2.1 points, so there it is left at one.
-PARALLEL_COLLECTIVES_FROM = (0, 11)
+ANALYTICAL_ESTIMATOR_BEFORE = (0, 11)
 
 
 def scheduler_options() -> dict[str, object]:
@@ -110,9 +109,7 @@ def scheduler_options() -> dict[str, object]:
     without aborting, else two collectives in flight."""
     if tuple(jax.__version_info__[:2]) < ANALYTICAL_ESTIMATOR_BEFORE:
         return {"xla_gpu_enable_analytical_latency_estimator": True}
-    if tuple(jax.__version_info__[:2]) >= PARALLEL_COLLECTIVES_FROM:
-        return {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
-    return {}
+    return {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
 
 
 # XLA's effort level O1 (`EFFORT_O1` of its `ExecutionOptions`; JAX's `jax_optimization_level`), passed

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
+import io
 import json
 import os
 import re
@@ -114,9 +116,6 @@ def child(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        import contextlib
-        import io
-
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             rc = cli.main(["audit", *args.audit, "--json"])

@@ -39,7 +39,7 @@ def test_one_device_gets_only_the_memory_budget_and_the_cpu_xlas_defaults():
     assert xla.compiler_options("gpu", devices=16) == xla.gpu_options()
 
 
-def test_the_analytical_estimator_is_asked_for_only_where_jaxlib_runs_it(monkeypatch):
+def test_the_estimator_before_jaxlib_0_11_and_two_collectives_in_flight_from_it(monkeypatch):
     limit = "xla_gpu_experimental_parallel_collective_overlap_limit"
     monkeypatch.setattr(jax, "__version_info__", (0, 10, 2))
     assert xla.gpu_options()["xla_gpu_enable_analytical_latency_estimator"] is True
