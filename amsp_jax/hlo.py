@@ -761,6 +761,9 @@ def memory_traffic(hlo_text: str) -> int:
         if name in inlined or not counts.get(name):
             continue
         for ins in body.values():
+            if ins.opcode == "fusion-start":
+                # An async fusion is the fusion it starts; its result is (operands, output, context).
+                ins = replace(ins, opcode="fusion", shape=_split_top(ins.shape[1:-1])[1])
             if (
                 ins.opcode in _NO_TRAFFIC
                 or ins.opcode in _MATRIX_OPCODES

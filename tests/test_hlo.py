@@ -739,6 +739,39 @@ def test_memory_traffic_counts_an_in_place_update_by_its_slice():
     assert 4 * 2 * 2**18 <= traffic[8] - traffic[4] < 4 * 4 * 2**18
 
 
+IN_PLACE_UPDATE = """
+%fused_update (buffer: f32[16,1024], row: f32[1,1024], at: s32[]) -> f32[16,1024] {
+  %buffer = f32[16,1024]{1,0} parameter(0)
+  %row = f32[1,1024]{1,0} parameter(1)
+  %at = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  ROOT %update = f32[16,1024]{1,0} dynamic-update-slice(%buffer, %row, %at, %zero)
+}
+
+ENTRY %main (buffer: f32[16,1024], row: f32[1,1024], at: s32[]) -> f32[16,1024] {
+  %buffer = f32[16,1024]{1,0} parameter(0)
+  %row = f32[1,1024]{1,0} parameter(1)
+  %at = s32[] parameter(2)
+  ROOT %updated = f32[16,1024]{1,0} fusion(%buffer, %row, %at), kind=kLoop, calls=%fused_update
+}
+"""
+
+
+def test_memory_traffic_counts_an_async_fusion_as_the_fusion_it_starts():
+    # jaxlib 0.11 starts some loop fusions asynchronously (a layer loop's in-place updates among them).
+    started = IN_PLACE_UPDATE.replace(
+        "ROOT %updated = f32[16,1024]{1,0} fusion(%buffer, %row, %at), kind=kLoop, calls=%fused_update",
+        "%start = ((f32[16,1024]{1,0}, f32[1,1024]{1,0}, s32[]), f32[16,1024]{1,0}, u32[]) fusion-start("
+        "%buffer, %row, %at), kind=kLoop, calls=%fused_update\n"
+        "  ROOT %updated = f32[16,1024]{1,0} fusion-done(%start)",
+    )
+    assert "fusion-start" in started
+    # The 4 KiB row is read and its slot of the buffer read and written, the rest of the 64 KiB buffer
+    # left alone (plus the 4-byte index).
+    assert memory_traffic(IN_PLACE_UPDATE) == 3 * 4096 + 4
+    assert memory_traffic(started) == memory_traffic(IN_PLACE_UPDATE)
+
+
 def test_memory_traffic_counts_a_slice_of_a_stacked_buffer_by_the_slice():
     stack = jnp.ones((16, 2**16), jnp.float32)  # 4 MiB: 16 rows of 256 KiB
 
