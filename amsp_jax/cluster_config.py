@@ -21,8 +21,9 @@ smallest one costs (latency-bound), above the largest the bandwidth stays flat.
                                   # matmul_rates (optional, written by `amsp-jax profile`): per
                                   # compute dtype (bfloat16, float32), rows [tokens, GFLOP/s]: the
                                   # rate of a layer's matmuls over that many tokens at once (a bare
-                                  # list of rows: the same for every dtype); a dtype without rows
-                                  # runs at peak_flops × compute_efficiency
+                                  # list of rows: the same for every dtype), or a mapping of square
+                                  # widths W to such rows, each measured on (tokens x W)·(W x W);
+                                  # a dtype without rows runs at peak_flops × compute_efficiency
                                   # memory_bandwidths (optional, written by `amsp-jax profile`): rows
                                   # [bytes per device, GB/s] of an elementwise op into a fresh buffer
     overlap: {enabled, reduction_fraction, interference}   # enabled: false where collectives block compute
@@ -161,6 +162,31 @@ class BandwidthTable:
 
 
 @dataclasses.dataclass(frozen=True)
+class MatmulRates:
+    """FLOP/s of one compute dtype's matmuls by the tokens they run over, per square width measured.
+
+    A (tokens × W)·(W × W) product and its backward run slower per FLOP the narrower W is where a
+    fixed cost per op weighs (on 8 simulated CPU devices a 128-wide product over 64 tokens ran at
+    0.75-0.8x the rate of a 512-wide one). Between measured widths the rate is interpolated linearly
+    in log-width; outside them it is the nearest width's. Width 0: one table for every width.
+    """
+
+    tables: Mapping[int, BandwidthTable]
+
+    def at(self, tokens: float, width: float) -> float:
+        """FLOP/s of a matmul of `width` (the side of the square of its size) over `tokens` rows."""
+        widths = sorted(self.tables)
+        if width <= widths[0] or len(widths) == 1:
+            return self.tables[widths[0]].at(tokens)
+        if width >= widths[-1]:
+            return self.tables[widths[-1]].at(tokens)
+        i = bisect.bisect_right(widths, width)
+        lo, hi = widths[i - 1], widths[i]
+        share = math.log(width / lo) / math.log(hi / lo)
+        return (1 - share) * self.tables[lo].at(tokens) + share * self.tables[hi].at(tokens)
+
+
+@dataclasses.dataclass(frozen=True)
 class ClusterConfig:
     """The hardware of a cluster: per-device memory and compute, and collective bandwidth tables."""
 
@@ -184,11 +210,11 @@ class ClusterConfig:
     memory_passes: Mapping[str, float] | None = None  # bytes touched per byte of each block (timing)
     pass_bandwidth: float = 0.0  # bytes/s of those passes while the step runs
     step_overhead: float = 0.0  # seconds per step that no term of the time model covers
-    # FLOP/s of a layer's matmuls by compute dtype and the tokens they run over at once (interpolated
-    # as the bandwidth tables are: a few dozen tokens per device run far below the large-matmul rate
-    # on a CPU, and XLA:CPU runs bf16 matmuls slower than fp32 ones); a dtype without a table: every
-    # matmul at `sustained_flops`.
-    matmul_rates: Mapping[str, BandwidthTable] | None = None
+    # FLOP/s of a layer's matmuls by compute dtype, width and the tokens they run over at once
+    # (interpolated as the bandwidth tables are: a few dozen tokens per device run far below the
+    # large-matmul rate on a CPU, and XLA:CPU runs bf16 matmuls slower than fp32 ones); a dtype
+    # without a table: every matmul at `sustained_flops`.
+    matmul_rates: Mapping[str, MatmulRates] | None = None
     flat_ring: tuple[int, int] | None = None  # (devices, nodes) of the ring the `flat` tables measured
     # Bytes/s of an elementwise op into a fresh buffer by the bytes it writes per device: on a CPU a
     # small buffer comes from the allocator's reused memory and the cache, a large one from pages the
@@ -213,13 +239,13 @@ class ClusterConfig:
         """FLOP/s one device sustains on the model's compute."""
         return self.peak_flops * self.compute_efficiency
 
-    def matmul_rate(self, tokens: float, dtype: str) -> float:
-        """FLOP/s of one device's `dtype` matmuls over `tokens` rows at once (`sustained_flops` without a
-        table for that dtype)."""
-        table = (self.matmul_rates or {}).get(dtype)
-        if table is None:
+    def matmul_rate(self, tokens: float, dtype: str, width: float = 0.0) -> float:
+        """FLOP/s of one device's `dtype` matmuls of `width` (`MatmulRates.at`; 0: the narrowest
+        measured) over `tokens` rows at once (`sustained_flops` without a table for that dtype)."""
+        rates = (self.matmul_rates or {}).get(dtype)
+        if rates is None:
             return self.sustained_flops
-        return table.at(tokens) * self.compute_efficiency
+        return rates.at(tokens, width) * self.compute_efficiency
 
     def pass_speed(self, nbytes: float) -> float:
         """How much faster than over the largest measured buffer a memory pass over `nbytes` per device
@@ -405,16 +431,25 @@ def _flat_ring(section: Any, has_tables: bool, where: str) -> tuple[int, int] | 
     return devices, nodes
 
 
-def _matmul_rates(section: Any, where: str) -> dict[str, BandwidthTable] | None:
+def _matmul_rates(section: Any, where: str) -> dict[str, MatmulRates] | None:
     if section is None:
         return None
     if not isinstance(section, Mapping):
-        table = BandwidthTable.from_rows(section, where)
-        return dict.fromkeys(MATMUL_DTYPES, table)
+        return dict.fromkeys(MATMUL_DTYPES, _widths(section, where))
     unknown = sorted(set(section) - set(MATMUL_DTYPES))
     if unknown:
         raise ClusterConfigError(f"{where}: unknown dtype(s) {unknown}; use {', '.join(MATMUL_DTYPES)}")
-    return {dtype: BandwidthTable.from_rows(rows, f"{where}.{dtype}") for dtype, rows in section.items()}
+    return {dtype: _widths(rows, f"{where}.{dtype}") for dtype, rows in section.items()}
+
+
+def _widths(section: Any, where: str) -> MatmulRates:
+    """Rows for every width, or a mapping of widths to rows."""
+    if not isinstance(section, Mapping):
+        return MatmulRates({0: BandwidthTable.from_rows(section, where)})
+    if not section or any(isinstance(w, bool) or not isinstance(w, int) or w <= 0 for w in section):
+        found = sorted(map(str, section))
+        raise ClusterConfigError(f"{where}: widths must be positive integers, got {found}")
+    return MatmulRates({w: BandwidthTable.from_rows(rows, f"{where}.{w}") for w, rows in section.items()})
 
 
 def _memory_passes(section: Any, where: str) -> dict[str, float] | None:

@@ -13,8 +13,9 @@ looked up, not multiplied; forward 1/3, backward 2/3) plus what remat runs
 again — `full` repeats each layer's forward (2Φ_layers + 4·L·H·Q·T per token); `dots` keeps every
 projection's output (`dots_with_no_batch_dims_saveable`) and repeats only the attention matmuls,
 whose dot_generals carry batch dimensions (4·L·H·Q·T per token); `none` repeats nothing — each
-matmul at the rate the cluster gives the tokens it runs over (`matmul_rates`: peak × efficiency
-unless `amsp-jax profile` measured how much slower a few dozen tokens run). Every attention matmul
+matmul at the rate the cluster gives the tokens it runs over and its width (`matmul_rates`: peak ×
+efficiency unless `amsp-jax profile` measured how much slower a few dozen tokens, or a narrow matrix,
+run; a leaf's width is the side of the square as large as one layer's slice of it). Every attention matmul
 is counted over the part of the (seq, seq) square the kernel runs (`Workload.attention_square_fraction`:
 a flash-style kernel skips the tiles above the diagonal, about half at long sequences), while MFU's
 model FLOPs count the whole square.
@@ -68,6 +69,7 @@ MFU follows Megatron-LM: model FLOPs (no recompute, no causal halving) per secon
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from collections.abc import Mapping
 
@@ -219,27 +221,44 @@ class Compute:
 
 def recompute_flops_per_token(workload: Workload) -> int:
     """FLOPs per token that remat, or a flash-style attention's backward, runs a second time."""
-    attention_forward = workload.attention_run_flops_per_token(4)
-    layer_params = sum(leaf.size for leaf in workload.leaves if leaf.stacked)
-    remat = {"none": 0, "dots": attention_forward, "full": 2 * layer_params + attention_forward}
-    return remat[workload.remat] + workload.attention_recompute_flops_per_token()
+    return _recomputed_attention(workload) + (2 * _layer_params(workload) if workload.remat == "full" else 0)
+
+
+def _layer_params(workload: Workload) -> int:
+    return sum(leaf.size for leaf in workload.leaves if leaf.stacked)
+
+
+def _recomputed_attention(workload: Workload) -> int:
+    forward = workload.attention_run_flops_per_token(4) if workload.remat in ("dots", "full") else 0
+    return forward + workload.attention_recompute_flops_per_token()
+
+
+def matmul_width(leaf: LeafShape) -> float:
+    """The side of the square matrix as large as one layer's slice of `leaf`: the width its matmuls
+    are priced at (`ClusterConfig.matmul_rate`)."""
+    return math.sqrt(leaf.size // leaf.shape[0] if leaf.stacked else leaf.size)
 
 
 def compute_times(workload: Workload, cluster: ClusterConfig) -> Compute:
     """Seconds of the layers' and the other leaves' forward and backward, remat included."""
     tokens = workload.tokens_per_device()
-    layer_params = sum(leaf.size for leaf in workload.leaves if leaf.stacked)
-    other_params = workload.matmul_params - layer_params
-    attention = workload.attention_run_flops_per_token(12)
-    layer_forward = 2 * layer_params + attention // 3
-    # Every matmul of a micro-batch runs over its tokens at once (the attention's over its queries).
-    rate = cluster.matmul_rate(workload.micro_batch_size * workload.seq_len, workload.precision.param_dtype)
-    seconds = tokens / rate
+    # Every matmul of a micro-batch runs over its tokens at once (the attention's over its queries),
+    # each leaf's at the rate of its width, the attention's at the model's.
+    run, dtype = workload.micro_batch_size * workload.seq_len, workload.precision.param_dtype
+
+    def forward_seconds(leaves: list[LeafShape]) -> float:
+        return tokens * sum(2 * x.size / cluster.matmul_rate(run, dtype, matmul_width(x)) for x in leaves)
+
+    layers = forward_seconds([x for x in workload.leaves if x.stacked])
+    other = forward_seconds([x for x in workload.leaves if not x.stacked and not x.looked_up])
+    attention = tokens / cluster.matmul_rate(run, dtype, workload.dims.dim)
+    forward_layers = layers + workload.attention_run_flops_per_token(12) // 3 * attention
+    recompute = _recomputed_attention(workload) * attention + (layers if workload.remat == "full" else 0)
     return Compute(
-        forward_layers=layer_forward * seconds,
-        backward_layers=(2 * layer_forward + recompute_flops_per_token(workload)) * seconds,
-        forward_other=2 * other_params * seconds,
-        backward_other=4 * other_params * seconds,
+        forward_layers=forward_layers,
+        backward_layers=2 * forward_layers + recompute,
+        forward_other=other,
+        backward_other=2 * other,
         micro_batches=workload.micro_batches,
     )
 

@@ -100,10 +100,13 @@ def test_profile_writes_a_cluster_config_the_planner_reads(tmp_path, capsys):
         (kind, "intra", 2): (4096.0, 16384.0) for kind in KINDS
     }
     assert config.peak_flops > 0 and config.collective_min_itemsize == 4
-    # The matmul sweep over tokens, per compute dtype: slower over 2 tokens than over 2048.
+    # The matmul sweep over tokens, per compute dtype and width: slower over 2 tokens than over 2048.
     for dtype in MATMUL_DTYPES:
-        assert config.matmul_rates[dtype].sizes == (2, 8, 32, 128, 512, 2048)
-        assert config.matmul_rate(2, dtype) < config.matmul_rate(2048, dtype)
+        tables = config.matmul_rates[dtype].tables
+        sweep = (2, 8, 32, 128, 512, 2048)
+        assert {w: t.sizes for w, t in tables.items()} == dict.fromkeys((128, 256, 512), sweep)
+        for width in tables:
+            assert config.matmul_rate(2, dtype, width) < config.matmul_rate(2048, dtype, width)
     # Memory passes by buffer size: the rows the time model reads.
     assert config.memory_bandwidths.sizes == tuple(float(n) for n in PASS_SIZES)
     assert config.pass_speed(PASS_SIZES[-1]) == pytest.approx(1.0)

@@ -20,6 +20,7 @@ from amsp_jax.cluster_config import (
     PASS_BLOCKS,
     BandwidthTable,
     ClusterConfigError,
+    MatmulRates,
     from_dict,
     load,
     parse_size,
@@ -325,7 +326,7 @@ def test_the_passes_grow_with_the_micro_batches_as_the_compiled_traffic_does(str
 def test_matmuls_run_at_the_rate_the_cluster_gives_their_tokens_and_dtype():
     config = load("configs/clusters/cpu-sim.yaml")
     table = BandwidthTable((16.0, 64.0), (1e9, 4e9))  # FLOP/s of matmuls over 16 and 64 tokens
-    rates = dataclasses.replace(config, matmul_rates={"bfloat16": table})
+    rates = dataclasses.replace(config, matmul_rates={"bfloat16": MatmulRates({0: table})})
     w = llama_workload(dataclasses.replace(MODEL, attention="xla"), 64, 1, 2, remat="none")
     fast, slow = (timing.compute_times(x, rates) for x in (w, w.with_(seq_len=16, micro_batches=8)))
     # The same FLOPs per token and tokens per step; four times slower over 16 tokens at once.
@@ -351,6 +352,32 @@ def test_matmul_rates_read_per_dtype_or_as_one_table_for_every_dtype():
     raw["device"]["matmul_rates"] = {"fp16": [[8, 2.0]]}
     with pytest.raises(ClusterConfigError, match=r"unknown dtype.*bfloat16, float32"):
         from_dict(raw, "test")
+    raw["device"]["matmul_rates"] = {"bfloat16": {"wide": [[8, 2.0]]}}
+    with pytest.raises(ClusterConfigError, match=r"bfloat16: widths must be positive integers"):
+        from_dict(raw, "test")
+
+
+def test_matmul_rates_by_width_interpolate_in_log_width_and_price_each_leaf_at_its_own():
+    raw = yaml.safe_load(Path("configs/clusters/cpu-sim.yaml").read_text())
+    raw["device"]["matmul_rates"] = {"bfloat16": {128: [[64, 2.0]], 512: [[64, 8.0]]}}
+    config = from_dict(raw, "test")
+    # Halfway in log-width between 128 and 512 is 256; beyond the measured widths, the nearest one's.
+    assert [config.matmul_rate(64, "bfloat16", w) / 1e9 for w in (64, 128, 256, 512, 4096)] == pytest.approx(
+        [2.0, 2.0, 5.0, 8.0, 8.0]
+    )
+    # Each layer leaf at its own width: a model with only 128-wide matrices runs at 2 GFLOP/s, one with
+    # only 512-wide ones at 8, whatever else they are.
+    narrow = LlamaConfig(vocab_size=128, dim=128, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=128)
+    wide = dataclasses.replace(narrow, dim=512, ffn_dim=512, vocab_size=512, n_heads=8, n_kv_heads=8)
+    for model, rate in ((narrow, 2e9), (wide, 8e9)):
+        w = llama_workload(dataclasses.replace(model, attention="xla"), 64, 1, 1, remat="none")
+        layers = sum(leaf.size for leaf in w.leaves if leaf.stacked and len(leaf.shape) > 2)
+        compute = timing.compute_times(w, config)
+        attention = w.attention_run_flops_per_token(12) // 3 * w.tokens_per_device() / rate
+        # The norms' scales are 1-D per layer, priced at the narrowest width: what they add is theirs.
+        norms = sum(leaf.size for leaf in w.leaves if leaf.stacked and len(leaf.shape) == 2)
+        expected = (2 * layers * 64) / rate + attention + 2 * norms * 64 / 2e9
+        assert compute.forward_layers == pytest.approx(expected)
 
 
 def test_an_untied_input_embedding_is_looked_up_not_multiplied():

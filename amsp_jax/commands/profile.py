@@ -181,16 +181,18 @@ def measure_collective(
 
 def measure_compute(
     devices: list, repeats: int
-) -> tuple[float, float, dict[str, list[tuple[int, float]]], list[tuple[int, float]]]:
-    """(large-matmul FLOP/s, memory bandwidth bytes/s, {dtype: [(tokens, FLOP/s of a layer's matmuls
-    over that many tokens)]}, [(bytes, bandwidth of an elementwise op writing that many bytes)]) per
-    device with every local device busy at once, as in a step: simulated CPU devices share the host's
-    cores and memory. The large matmul in bf16 on accelerators, fp32 on the CPU.
+) -> tuple[float, float, dict[str, dict[int, list[tuple[int, float]]]], list[tuple[int, float]]]:
+    """(large-matmul FLOP/s, memory bandwidth bytes/s, {dtype: {width: [(tokens, FLOP/s of a layer's
+    matmuls of that width over that many tokens)]}}, [(bytes, bandwidth of an elementwise op writing
+    that many bytes)]) per device with every local device busy at once, as in a step: simulated CPU
+    devices share the host's cores and memory. The large matmul in bf16 on accelerators, fp32 on the CPU.
 
     The sweep runs a projection's three matmuls, (tokens × width)·(width × width) forward and both
     products of its backward (the weight gradient contracts over the tokens), in each compute dtype:
-    over the few dozen tokens one device runs at once, the tokens and the dtype decide more of a
-    CPU's rate than the width does (XLA:CPU runs bf16 matmuls well below fp32 ones). On an accelerator
+    over the few dozen tokens one device runs at once, the tokens and the dtype decide most of a
+    CPU's rate (XLA:CPU runs bf16 matmuls well below fp32 ones), and on a CPU the width too: widths
+    128, 256 and 512 there (a 0.8M-parameter LLaMA, 128 wide, priced at the 512-wide rate came out at
+    0.67-0.77 of its measured step). On an accelerator
     the sweep reaches 16,384 tokens and reads each point as the time one more product adds to a
     program (`in_program_seconds`): on an H100 and an H200 the time model's compute at these rates came
     within 0.93-1.07 of the step's matmul and attention kernel time (`benchmarks/gpu_step.py`).
@@ -264,19 +266,20 @@ def measure_compute(
     flops = forward_rate(n, n, jnp.float32 if cpu else jnp.bfloat16)
     # An accelerator's micro-batches reach tens of thousands of tokens (8 sequences of 2,048).
     tokens = (2, 8, 32, 128, 512, 2048) + (() if cpu else (8192, 16384))
-    width = n // 2
-    points = [(dtype, t) for dtype in MATMUL_DTYPES for t in tokens]
+    # A CPU's small models have narrow layers, whose products run well below a 512-wide one's rate.
+    widths = (128, 256, n // 2) if cpu else (n // 2,)
+    points = [(dtype, w, t) for dtype in MATMUL_DTYPES for w in widths for t in tokens]
     if cpu:
-        programs = [layer_program(t, width, jnp.dtype(dtype)) for dtype, t in points]
+        programs = [layer_program(t, w, jnp.dtype(dtype)) for dtype, w, t in points]
         seconds = _median_seconds_each(programs, repeats)
     else:
         seconds = [
-            in_program_seconds(forward_and_backward, random_operands(t, width, jnp.dtype(dtype)))
-            for dtype, t in points
+            in_program_seconds(forward_and_backward, random_operands(t, w, jnp.dtype(dtype)))
+            for dtype, w, t in points
         ]
-    sweep = {dtype: [] for dtype in MATMUL_DTYPES}
-    for (dtype, t), elapsed in zip(points, seconds, strict=True):
-        sweep[dtype].append((t, 6 * t * width**2 / elapsed))
+    sweep: dict[str, dict[int, list[tuple[int, float]]]] = {d: {w: [] for w in widths} for d in MATMUL_DTYPES}
+    for (dtype, w, t), elapsed in zip(points, seconds, strict=True):
+        sweep[dtype][w].append((t, 6 * t * w**2 / elapsed))
     scale = jax.jit(jax.shard_map(lambda v: v * 2.0, mesh=mesh, in_specs=each, out_specs=each))
 
     def elementwise_seconds(nbytes: int) -> float:
@@ -377,12 +380,19 @@ def run(args: argparse.Namespace) -> int:
         "  memory_bandwidths:     # measured: [bytes per device, GB/s] of that op into a fresh buffer of",
         "                         # that size, the launch of a program subtracted",
         *(f"    - [{format_size(nbytes)}, {rate / 1e9:.4g}]" for nbytes, rate in memory_rates),
-        "  matmul_rates:     # measured: [tokens, GFLOP/s] of (tokens x W) @ (W x W) and its backward,",
-        "                    # W = half the square above, every device at once",
+        "  matmul_rates:     # measured: by width W, [tokens, GFLOP/s] of (tokens x W) @ (W x W) and its",
+        "                    # backward, every device at once",
         *(
             line
-            for dtype, rows in matmuls.items()
-            for line in (f"    {dtype}:", *(f"      - [{tokens}, {rate / 1e9:.4g}]" for tokens, rate in rows))
+            for dtype, by_width in matmuls.items()
+            for line in (
+                f"    {dtype}:",
+                *(
+                    row
+                    for width, rows in by_width.items()
+                    for row in (f"      {width}:", *(f"        - [{t}, {r / 1e9:.4g}]" for t, r in rows))
+                ),
+            )
         ),
         "overlap:",
         *(
