@@ -487,3 +487,25 @@ def for_cluster(cluster: Cluster) -> ClusterConfig:
     """Hardware for a bare `Cluster`: the shipped cluster config of its name if any, else `cpu-sim`."""
     config = load(cluster.name if cluster.name in config_files.shipped("clusters") else "cpu-sim")
     return config.with_shape(cluster.nodes, cluster.devices_per_node)
+
+
+
+# GPU models that share another's compute and memory (NVIDIA's export variants cut only NVLink).
+_SAME_GPU = {"A800": "A100", "H800": "H100"}
+_GPU_MODEL = re.compile(r"\b([A-Z]\d{2,3})\b")
+
+
+def _gpu_model(name: str) -> str | None:
+    found = _GPU_MODEL.search(name.replace("-", " "))
+    return found and _SAME_GPU.get(found.group(1), found.group(1))
+
+
+def for_device_kind(device_kind: str, nodes: int, devices_per_node: int) -> ClusterConfig | None:
+    """The shipped cluster config of a GPU's model (`NVIDIA A100-SXM4-80GB`: `a800-8x-ib800`, the A800
+    having the A100's compute and memory), shaped to `nodes` × `devices_per_node`; None for another."""
+    model = _gpu_model(device_kind)
+    for name in config_files.shipped("clusters"):
+        config = load(name)
+        if model and _gpu_model(config.device_name) == model:
+            return config.with_shape(nodes, devices_per_node)
+    return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -805,3 +805,112 @@ def _read_bytes(
     if all(u.opcode in _SLICING_OPCODES and _operand_name(u.operands[0]) == parameter for u in uses):
         return sum(_array_bytes(u.shape) for u in uses)
     return whole
+
+
+# Instructions that launch no kernel: they name, slice or join buffers, or end an async pair.
+_FREE_OPCODES = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+    "replica-id", "opt-barrier", "add-dependency", "domain", "copy-done", *_DONE_OPCODES,
+}  # fmt: skip
+_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
+
+
+def _dims(shape: str) -> list[int]:
+    """The dims of the first array of a shape."""
+    found = _ARRAY.search(shape)
+    return [int(d.strip().lstrip("<=")) for d in found.group(2).split(",") if d.strip()] if found else []
+
+
+def _operand_shape(operand: str, body: Mapping[str, _Instruction]) -> str:
+    shape, _, name = operand.rpartition(" ")
+    if shape.strip():
+        return shape
+    definition = body.get(name.lstrip("%"))
+    return definition.shape if definition else ""
+
+
+def _matmul_flops(ins: _Instruction, body: Mapping[str, _Instruction]) -> float:
+    """FLOPs of one dot, cuBLAS gemm or cuDNN attention instruction (0 for anything else)."""
+    target = ins.attrs.get("custom_call_target", "")
+    if ins.opcode == "dot" or (ins.opcode == "custom-call" and ("gemm" in target or "matmul" in target)):
+        contracting = ins.attrs.get("lhs_contracting_dims", "")
+        if ins.opcode == "custom-call":
+            found = _CONTRACTING.search(ins.attrs.get("backend_config", ""))
+            contracting = found.group(1) if found else ""
+        lhs = _dims(_operand_shape(ins.operands[0], body)) if ins.operands else []
+        k = math.prod(lhs[int(i)] for i in re.findall(r"\d+", contracting) if int(i) < len(lhs))
+        return 2 * math.prod(_dims(ins.shape)) * k
+    if ins.opcode == "custom-call" and "fmha" in target:
+        # Q·Kᵀ and P·V over the (seq, seq) square: 4·B·H·S·S·D, the first output being (B, H, S, D)
+        # (its longest dim the sequence); causal masks skip half; the backward runs 2.5 forwards.
+        out = _dims(ins.shape)
+        causal = 0.5 if '"CAUSAL"' in ins.attrs.get("backend_config", "") else 1.0
+        return 4 * math.prod(out) * max(out, default=0) * causal * (2.5 if "Backward" in target else 1.0)
+    return 0.0
+
+
+def instruction_seconds(
+    hlo_text: str,
+    num_devices: int,
+    collective_seconds: Callable[[Collective], float],
+    flop_rate: float,
+    memory_rate: float,
+    launch_seconds: float,
+) -> dict[str, float]:
+    """Seconds of every instruction of a compiled module, by name: what XLA's latency-hiding scheduler
+    reads from a profile (`amsp_jax.xla.scheduling_profile`).
+
+    A collective (one execution): `collective_seconds` of it. A loop: its body's seconds times its trip
+    count; a call, a branch or an async wrapper: the seconds of what it runs. Any other kernel: a launch
+    plus the longer of its matrix FLOPs (dots, cuBLAS gemms and cuDNN attention, inside it if a fusion)
+    at `flop_rate` and its operand and result bytes at `memory_rate` (a roofline; an in-place update
+    counts its whole buffer). Buffer plumbing (tuples, bitcasts, the -done halves) takes none.
+    """
+    computations, entry = _parse_module(hlo_text)
+    collectives = {
+        ins.name: _collective(ins, name, body, 1, num_devices)
+        for name, body in computations.items()
+        for ins in body.values()
+        if ins.opcode in _COLLECTIVE_OPCODES
+    }
+    flops: dict[str, float] = {}
+    totals: dict[str, float] = {}
+    seconds: dict[str, float] = {}
+
+    def fused_flops(comp: str) -> float:
+        if comp not in flops:
+            body = computations.get(comp, {})
+            flops[comp] = sum(
+                _matmul_flops(ins, body) + sum(fused_flops(c) for c in _called(ins) if ins.opcode == "fusion")
+                for ins in body.values()
+            )
+        return flops[comp]
+
+    def kernel(ins: _Instruction, body: Mapping[str, _Instruction]) -> float:
+        work = _matmul_flops(ins, body)
+        if ins.opcode in ("fusion", "fusion-start"):
+            work += sum(fused_flops(c) for c in _called(ins))
+        shapes = [ins.shape, *(_operand_shape(op, body) for op in ins.operands)]
+        moved = sum(_array_bytes(s) for s in shapes if s)
+        return launch_seconds + max(work / flop_rate, moved / memory_rate)
+
+    def total(comp: str) -> float:
+        if comp not in totals:
+            totals[comp] = 0.0  # HLO has no recursion; this only guards the memo
+            totals[comp] = sum(price(ins, comp) for ins in computations.get(comp, {}).values())
+        return totals[comp]
+
+    def price(ins: _Instruction, comp: str) -> float:
+        if ins.opcode in _FREE_OPCODES:
+            spent = 0.0
+        elif ins.name in collectives:
+            spent = collective_seconds(collectives[ins.name])
+        elif ins.opcode in ("while", "call", "conditional", "async-start"):
+            spent = sum(total(c) * (n or 1) for c, n in _callees(ins, comp, computations))
+        else:
+            spent = kernel(ins, computations[comp])
+        seconds[ins.name] = spent
+        return spent
+
+    total(entry)
+    return seconds

@@ -42,7 +42,7 @@ from amsp_jax.plan import Plan
 from amsp_jax.schedule import LeafSchedule, Schedule, grad_dtype, largest_gather_bytes
 from amsp_jax.schedule import build as build_schedule
 from amsp_jax.sharding import Layout, LeafLayout, batch_spec, leaf_layout, make_layout, pad, unpad
-from amsp_jax.xla import compile_lowered, compiler_options, scheduler_slop_factor, selects_in_place
+from amsp_jax.xla import compile_scheduled, compiler_options, scheduler_slop_factor, selects_in_place
 
 Path = tuple[str, ...]
 LossFn = Callable[[Any, Any], jax.Array]
@@ -887,7 +887,7 @@ class Trainer:
             )
             lowered = self.lower(state, batch)
             if self.layout.mesh.devices.flat[0] in jax.devices():
-                self._compiled[key] = compile_lowered(lowered, options)
+                self._compiled[key] = compile_scheduled(lowered, options, self.layout)
             else:
                 # Compiled for a topology this process has no client for (a GPU target on a CPU
                 # machine): JAX's persistent cache would store it but cannot load it back ("PjRtCompiler
@@ -895,7 +895,7 @@ class Trainer:
                 least = jax.config.jax_persistent_cache_min_compile_time_secs
                 jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
                 try:
-                    self._compiled[key] = compile_lowered(lowered, options)
+                    self._compiled[key] = compile_scheduled(lowered, options, self.layout)
                 finally:
                     jax.config.update("jax_persistent_cache_min_compile_time_secs", least)
         return self._compiled[key]

@@ -21,10 +21,19 @@ from __future__ import annotations
 import math
 import os
 import re
+import tempfile
 import warnings
-from typing import Any
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import jax
+
+from amsp_jax import hlo
+from amsp_jax.cluster_config import ClusterConfig, for_device_kind
+
+if TYPE_CHECKING:
+    from amsp_jax.sharding import Layout
 
 _MIB = 1 << 20
 # XLA's combiners compare their threshold with a combined op's result, which for a reduce-scatter is
@@ -89,27 +98,25 @@ def combine_thresholds(platform: str, layer_bytes: int = 0) -> dict[str, float]:
 
 
 # XLA's analytical (GPU performance model) latencies for the scheduler instead of its fixed
-# approximations. Measured with jaxlib 0.10.2 on LLaMA-7B at 1,024 A100s
+# approximations; where it aborts, a profile of instruction costs (`scheduling_profile`) instead.
+# Measured with jaxlib 0.10.2 on LLaMA-7B at 1,024 A100s before that profile existed
 # (benchmarks/results/gpu_compiled.md): the share of per-layer collective bytes with compute between
-# start and done rises from 66% to 85% for zero3 and from 64% to 92% for mics (zero2: 87% to 79%).
+# start and done rose from 66% to 85% for zero3 and from 64% to 92% for mics (zero2: 87% to 79%).
 # jaxlib 0.11.2 aborts the process in that estimator (a CHECK in CalculateLaunchDimensions on one of
 # the step's loop fusions, seen compiling LLaMA-1B on an H200), so it is asked for only before 0.11.
-# Without it the scheduler, on its fixed approximations, keeps one collective in flight: a split
-# gather's two stages and a split gradient reduce-scatter's queue behind each other, and a backward
-# layer's compute hides only some. Two in flight, compiled with jaxlib 0.11.2 for LLaMA-7B at 1,024
-# GPUs (`benchmarks/results/xla_overlap.md`): the share of zero3's per-layer collective bytes with
-# compute between start and done 70.2 -> 98.0 % on H100s and 58.0 -> 63.0 % on A100s, zero2's
-# 60.3 -> 98.4 % and 96.9 -> 99.6 %, MiCS's 97.7 -> 97.5 % and 66.9 % (unchanged), for 0.1-1.1 GiB
-# more per device. With 0.10.2's estimator it moves those by -0.5..+2.1 points, so there it is left at one.
+# There the profile does its work: with it and XLA's one collective in flight, 0.11.2 hides 97.5 / 98.1
+# / 96.9 % of zero3's / MiCS's / zero2's per-layer bytes at 1,024 A100s, where two in flight (what the
+# library asked for before the profile) hid 96.2 / 97.1 / 96.9 % with it and 63.0 / 66.9 / 99.6 %
+# without it, for more memory (`benchmarks/results/xla_overlap.md`).
 ANALYTICAL_ESTIMATOR_BEFORE = (0, 11)
 
 
 def scheduler_options() -> dict[str, object]:
     """The latency-hiding scheduler's options for this jaxlib: the analytical estimator where it runs
-    without aborting, else two collectives in flight."""
+    without aborting (elsewhere `compile_scheduled` gives the scheduler a profile)."""
     if tuple(jax.__version_info__[:2]) < ANALYTICAL_ESTIMATOR_BEFORE:
         return {"xla_gpu_enable_analytical_latency_estimator": True}
-    return {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
+    return {}
 
 
 # XLA's effort level O1 (`EFFORT_O1` of its `ExecutionOptions`; JAX's `jax_optimization_level`), passed
@@ -219,3 +226,72 @@ def _culprit(error: str, options: dict[str, object]) -> str | None:
         if phrase in error:
             return next((option for option in culprits if option in options), None)
     return None
+
+
+# The debug option that hands XLA's latency-hiding scheduler a profile of instruction costs (its
+# profile-guided latency estimator, PGLE: costs by instruction name, in µs, for kernels and for the
+# time between an async collective's start and done).
+PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
+# What one more kernel costs beyond its work: a launch, as in the cost model's fixed cost per op.
+KERNEL_LAUNCH_SECONDS = 2e-6
+
+
+def scheduling_profile(hlo_text: str, hardware: ClusterConfig, node_of_device: Sequence[int]) -> str:
+    """The text of a `ProfiledInstructionsProto` that prices every instruction of a compiled program with
+    the cost model's hardware (`hlo.instruction_seconds`): collectives at `hardware`'s bandwidth and
+    latency for their kind, group and nodes, kernels by a roofline at its sustained FLOP/s and HBM
+    bandwidth.
+
+    Without it, XLA:GPU's scheduler prices every collective alike and every kernel by its kind alone
+    (jaxlib 0.11, whose analytical estimator aborts on this step): a few elementwise kernels look long
+    enough to hide a layer's gather. Compiled with jaxlib 0.11.2 for LLaMA-7B at 1,024 A100s, the share
+    of per-layer collective bytes with compute between start and done went from 63.0 to 97.5 % (zero3)
+    and from 66.9 to 98.1 % (MiCS) with this profile (`benchmarks/results/xla_overlap.md`).
+    """
+
+    def collective_seconds(c: hlo.Collective) -> float:
+        groups = c.replica_groups or c.source_target_pairs
+        group = max((len(g) for g in groups), default=1)
+        nodes = max((len({node_of_device[d] for d in g}) for g in groups), default=1)
+        kind = c.kind if c.kind in ("all-gather", "reduce-scatter", "all-reduce") else "all-gather"
+        level = "inter" if nodes > 1 else "intra"
+        return hardware.collective_time(kind, level, hlo.bytes_per_device(c), 1, group, nodes)
+
+    seconds = hlo.instruction_seconds(
+        hlo_text,
+        len(node_of_device),
+        collective_seconds,
+        hardware.sustained_flops,
+        hardware.hbm_bandwidth,
+        KERNEL_LAUNCH_SECONDS,
+    )
+    return "".join(f'costs {{ name: "{name}" cost_us: {1e6 * s:.3f} }}\n' for name, s in seconds.items())
+
+
+def compile_scheduled(lowered: Any, options: dict[str, object] | None, layout: Layout) -> Any:
+    """`compile_lowered`, then, where the options schedule a GPU program without XLA's analytical estimator
+    (`scheduler_options`) and a shipped cluster config describes its GPU (`cluster_config.for_device_kind`),
+    once more with the first program's `scheduling_profile` (the second compile repeats its instruction
+    names: the same passes run on the same program up to the scheduler).
+
+    Where the analytical estimator runs (jaxlib 0.10) it stays alone: with the profile as well, 0.10.2
+    hid more of LLaMA-7B zero3's per-layer bytes at 1,024 A100s (98.0 against 91.6 %) but left two
+    looped collectives of the 8-layer test model without compute (a split gather's inter-node stage, and
+    with micro-batches a kept first layer's reduce-scatter), which the estimator alone hides.
+    """
+    compiled = compile_lowered(lowered, options)
+    options = options or {}
+    if not options.get("xla_gpu_enable_latency_hiding_scheduler") or options.get(
+        "xla_gpu_enable_analytical_latency_estimator"
+    ):
+        return compiled
+    cluster = layout.cluster
+    kind = layout.mesh.devices.flat[0].device_kind
+    hardware = for_device_kind(kind, cluster.nodes, cluster.devices_per_node)
+    if hardware is None:
+        return compiled
+    profile = scheduling_profile(compiled.as_text(), hardware, layout.node_of_device())
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder, "profile.pbtxt")
+        path.write_text(profile)
+        return compile_lowered(lowered, {**options, PROFILE_OPTION: str(path)})

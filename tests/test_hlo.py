@@ -14,6 +14,7 @@ from amsp_jax.hlo import (
     bytes_per_device,
     crosses,
     expand_replica_groups,
+    instruction_seconds,
     memory_traffic,
     overlaps,
     parse_collectives,
@@ -786,3 +787,77 @@ def test_memory_traffic_counts_a_slice_of_a_stacked_buffer_by_the_slice():
     # whole 4 MiB stack (a layer loop reads one layer of its stacked weights per trip).
     extra = _traffic(reads(8), stack) - _traffic(reads(4), stack)
     assert 4 * 3 * 2**18 <= extra < 4 * 4 * 2**18
+
+
+PRICED = """
+HloModule priced, is_scheduled=true
+
+%gemm (p0: f32[64,128], p1: f32[128,256]) -> f32[64,256] {
+  %p0 = f32[64,128]{1,0} parameter(0)
+  %p1 = f32[128,256]{1,0} parameter(1)
+  ROOT %d = f32[64,256]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%scale (p: f32[64,256]) -> f32[64,256] {
+  %p = f32[64,256]{1,0} parameter(0)
+  %c = f32[] constant(2)
+  %b = f32[64,256]{1,0} broadcast(%c), dimensions={}
+  ROOT %m = f32[64,256]{1,0} multiply(%p, %b)
+}
+
+%body (t: (s32[], f32[64,128], f32[32,256])) -> (s32[], f32[64,128], f32[32,256]) {
+  %t = (s32[], f32[64,128]{1,0}, f32[32,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[64,128]{1,0} get-tuple-element(%t), index=1
+  %ws = f32[32,256]{1,0} get-tuple-element(%t), index=2
+  %ag = (f32[32,256]{1,0}, f32[128,256]{1,0}) all-gather-start(%ws), replica_groups={{0,1,2,3}},
+    dimensions={0}
+  %agd = f32[128,256]{1,0} all-gather-done(%ag)
+  %y = f32[64,256]{1,0} fusion(%x, %agd), kind=kCustom, calls=%gemm
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %r = (s32[], f32[64,128]{1,0}, f32[32,256]{1,0}) tuple(%next, %x, %ws)
+}
+
+%cond (t: (s32[], f32[64,128], f32[32,256])) -> pred[] {
+  %t = (s32[], f32[64,128]{1,0}, f32[32,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[64,128], w: f32[32,256], y: f32[64,256]) -> f32[64,256] {
+  %x = f32[64,128]{1,0} parameter(0)
+  %w = f32[32,256]{1,0} parameter(1)
+  %y = f32[64,256]{1,0} parameter(2)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[64,128]{1,0}, f32[32,256]{1,0}) tuple(%zero, %x, %w)
+  %loop = (s32[], f32[64,128]{1,0}, f32[32,256]{1,0}) while(%init), condition=%cond, body=%body,
+    backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %s = f32[64,256]{1,0} fusion(%y), kind=kLoop, calls=%scale
+}
+"""
+
+
+def test_instruction_seconds_prices_kernels_by_a_roofline_collectives_by_the_callback_and_loops_by_trips():
+    flop_rate, memory_rate, launch = 1e12, 1e11, 1e-6
+    sizes = []
+
+    def collective(c):
+        sizes.append((c.kind, c.result_bytes, len(c.replica_groups[0]), c.trip_count))
+        return 5e-6
+
+    seconds = instruction_seconds(PRICED, 4, collective, flop_rate, memory_rate, launch)
+    # The gemm: 2·64·256·128 FLOPs at 1 TFLOP/s (4.19 µs) against its 224 KiB of operands and result at
+    # 100 GB/s (2.29 µs): compute-bound.
+    gemm = launch + 2 * 64 * 256 * 128 / flop_rate
+    assert seconds["y"] == pytest.approx(gemm)
+    # The scaling kernel moves 64 KiB in and 64 KiB out and multiplies nothing.
+    assert seconds["s"] == pytest.approx(launch + 2 * 64 * 256 * 4 / memory_rate)
+    # One execution of the all-gather, as the callback prices it; its -done and the plumbing cost nothing.
+    assert seconds["ag"] == 5e-6 and sizes == [("all-gather", 128 * 256 * 4, 4, 1)]
+    assert seconds["agd"] == seconds["t"] == seconds["r"] == seconds["x"] == 0
+    # The loop: three trips of its body (gemm, gather, the counter's add) and of its condition.
+    body = gemm + 5e-6 + seconds["next"]
+    assert seconds["loop"] == pytest.approx(3 * (body + seconds["lt"]))
+    assert seconds["next"] == pytest.approx(launch + 3 * 4 / memory_rate)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from amsp_jax import xla
+from amsp_jax.cluster_config import for_device_kind
 
 
 def _lowered():
@@ -39,12 +40,20 @@ def test_one_device_gets_only_the_memory_budget_and_the_cpu_xlas_defaults():
     assert xla.compiler_options("gpu", devices=16) == xla.gpu_options()
 
 
-def test_the_estimator_before_jaxlib_0_11_and_two_collectives_in_flight_from_it(monkeypatch):
+def test_the_analytical_estimator_only_before_jaxlib_0_11_and_one_collective_in_flight(monkeypatch):
     limit = "xla_gpu_experimental_parallel_collective_overlap_limit"
-    monkeypatch.setattr(jax, "__version_info__", (0, 10, 2))
-    assert xla.gpu_options()["xla_gpu_enable_analytical_latency_estimator"] is True
-    assert limit not in xla.gpu_options()
-    monkeypatch.setattr(jax, "__version_info__", (0, 11, 2))
-    assert "xla_gpu_enable_analytical_latency_estimator" not in xla.gpu_options()
-    # Without the estimator, two collectives in flight.
-    assert xla.gpu_options()[limit] == 2
+    for version, estimator in (((0, 10, 2), True), ((0, 11, 2), False)):
+        monkeypatch.setattr(jax, "__version_info__", version)
+        options = xla.gpu_options()
+        assert ("xla_gpu_enable_analytical_latency_estimator" in options) is estimator
+        # XLA's default of one collective in flight: with the instruction profile, more only cost memory.
+        assert limit not in options
+
+
+def test_a_gpu_is_priced_with_the_shipped_config_of_its_model():
+    # The A800 is an A100 with less NVLink: its shipped config prices A100s, shaped to the cluster.
+    a100 = for_device_kind("NVIDIA A100-SXM4-80GB", 128, 8)
+    assert (a100.name, a100.nodes, a100.devices_per_node) == ("a800-8x-ib800", 128, 8)
+    assert a100.peak_flops == 312e12  # A100's dense bf16 peak
+    assert for_device_kind("NVIDIA H100 80GB HBM3", 2, 8).name == "h100-dgx"
+    assert for_device_kind("NVIDIA H200", 2, 8) is None and for_device_kind("cpu", 2, 4) is None
