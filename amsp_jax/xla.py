@@ -232,7 +232,7 @@ def _culprit(error: str, options: dict[str, object]) -> str | None:
 # profile-guided latency estimator, PGLE: costs by instruction name, in µs, for kernels and for the
 # time between an async collective's start and done).
 PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
-# What one more kernel costs beyond its work: a launch, as in the cost model's fixed cost per op.
+# What one more kernel costs beyond its work (assumption: a CUDA kernel launch, a few µs).
 KERNEL_LAUNCH_SECONDS = 2e-6
 
 
