@@ -489,7 +489,6 @@ def for_cluster(cluster: Cluster) -> ClusterConfig:
     return config.with_shape(cluster.nodes, cluster.devices_per_node)
 
 
-
 # GPU models that share another's compute and memory (NVIDIA's export variants cut only NVLink).
 _SAME_GPU = {"A800": "A100", "H800": "H100"}
 _GPU_MODEL = re.compile(r"\b([A-Z]\d{2,3})\b")

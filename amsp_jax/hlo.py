@@ -398,15 +398,21 @@ def _output_shape(ins: _Instruction) -> str:
     return elements[1]
 
 
-def _operand_bytes(operand: str, body: Mapping[str, _Instruction], where: str) -> int:
-    """Bytes of one operand, printed as `%x` (look up its definition) or with its shape, `f32[8]{0} %x`."""
+def _operand_shape(operand: str, body: Mapping[str, _Instruction]) -> str:
+    """One operand's shape, printed with it (`f32[8]{0} %x`) or its definition's (`%x`); '' if none."""
     shape, _, name = operand.rpartition(" ")
     if shape.strip():
-        return _array_bytes(shape)
+        return shape
     definition = body.get(name.lstrip("%"))
-    if definition is None or not definition.shape:
+    return definition.shape if definition else ""
+
+
+def _operand_bytes(operand: str, body: Mapping[str, _Instruction], where: str) -> int:
+    """Bytes of one operand (`_operand_shape`)."""
+    shape = _operand_shape(operand, body)
+    if not shape:
         raise ValueError(f"cannot find the shape of operand {operand!r} of {where}")
-    return _array_bytes(definition.shape)
+    return _array_bytes(shape)
 
 
 def _explicit_groups(text: str) -> tuple[tuple[int, ...], ...]:
@@ -819,14 +825,6 @@ def _dims(shape: str) -> list[int]:
     """The dims of the first array of a shape."""
     found = _ARRAY.search(shape)
     return [int(d.strip().lstrip("<=")) for d in found.group(2).split(",") if d.strip()] if found else []
-
-
-def _operand_shape(operand: str, body: Mapping[str, _Instruction]) -> str:
-    shape, _, name = operand.rpartition(" ")
-    if shape.strip():
-        return shape
-    definition = body.get(name.lstrip("%"))
-    return definition.shape if definition else ""
 
 
 def _matmul_flops(ins: _Instruction, body: Mapping[str, _Instruction]) -> float:

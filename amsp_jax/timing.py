@@ -219,16 +219,9 @@ class Compute:
         return (self.backward_layers + self.backward_other) / self.micro_batches
 
 
-def recompute_flops_per_token(workload: Workload) -> int:
-    """FLOPs per token that remat, or a flash-style attention's backward, runs a second time."""
-    return _recomputed_attention(workload) + (2 * _layer_params(workload) if workload.remat == "full" else 0)
-
-
-def _layer_params(workload: Workload) -> int:
-    return sum(leaf.size for leaf in workload.leaves if leaf.stacked)
-
-
-def _recomputed_attention(workload: Workload) -> int:
+def recomputed_attention_flops_per_token(workload: Workload) -> int:
+    """FLOPs per token of attention matmuls that remat, or a flash-style attention's backward, runs a
+    second time (remat `full` also repeats every layer's projections, priced by their width)."""
     forward = workload.attention_run_flops_per_token(4) if workload.remat in ("dots", "full") else 0
     return forward + workload.attention_recompute_flops_per_token()
 
@@ -253,7 +246,9 @@ def compute_times(workload: Workload, cluster: ClusterConfig) -> Compute:
     other = forward_seconds([x for x in workload.leaves if not x.stacked and not x.looked_up])
     attention = tokens / cluster.matmul_rate(run, dtype, workload.dims.dim)
     forward_layers = layers + workload.attention_run_flops_per_token(12) // 3 * attention
-    recompute = _recomputed_attention(workload) * attention + (layers if workload.remat == "full" else 0)
+    recompute = recomputed_attention_flops_per_token(workload) * attention
+    if workload.remat == "full":
+        recompute += layers
     return Compute(
         forward_layers=forward_layers,
         backward_layers=2 * forward_layers + recompute,

@@ -95,8 +95,8 @@ def test_cost_model_has_no_score_term_for_memory_efficient_attention():
     flash = cost.llama_workload(config, 4096)
     naive = cost.llama_workload(dataclasses.replace(config, attention="xla"), 4096)
     assert flash.flops_per_token() == naive.flops_per_token()
-    extra = timing.recompute_flops_per_token(flash.with_(remat="none"))
-    assert timing.recompute_flops_per_token(naive.with_(remat="none")) == 0
+    extra = timing.recomputed_attention_flops_per_token(flash.with_(remat="none"))
+    assert timing.recomputed_attention_flops_per_token(naive.with_(remat="none")) == 0
     square = 2 * config.n_layers * config.n_heads * config.head_dim * 4096
     assert extra == pytest.approx(square * flash.attention_square_fraction(), abs=1)
 
