@@ -10,7 +10,9 @@ process, and aborts on a flag it does not know), and tabulates the overlap audit
 
 A variant adds `XLA_FLAGS`, overrides the library's compile options (`amsp_jax.xla.gpu_options`) or
 passes `amsp-jax audit` flags (`--prefetch loop`). `--list-flags` also writes the GPU scheduling flags
-the installed XLA binaries name. Nothing here is a GPU timing.
+the installed XLA binaries name. Every variant compiles the way the library does, the second compile
+with a profile of instruction costs included (`amsp_jax.xla.compile_scheduled`: from jaxlib 0.11, or
+wherever a variant leaves out the analytical estimator). Nothing here is a GPU timing.
 """
 
 from __future__ import annotations
