@@ -197,6 +197,11 @@ _FAILS_WITH = {
 def compile_lowered(lowered: Any, options: dict[str, object] | None) -> Any:
     """`lowered.compile(options)`, leaving out (with a warning naming them) the options this XLA does not
     know or fails to compile this program with."""
+    return _compile(lowered, options)[0]
+
+
+def _compile(lowered: Any, options: dict[str, object] | None) -> tuple[Any, dict[str, object]]:
+    """`compile_lowered`'s program and the options it was compiled with."""
     options = dict(options or {})
     dropped = []
     while True:
@@ -215,9 +220,9 @@ def compile_lowered(lowered: Any, options: dict[str, object] | None) -> Any:
                 f"this XLA (jax {jax.__version__}) does not know, or fails to compile this step with, the "
                 f"compiler options {dropped}; compiled without them (the overlap they ask for may be on "
                 "by default, or less)",
-                stacklevel=2,
+                stacklevel=3,
             )
-        return compiled
+        return compiled, options
 
 
 def _culprit(error: str, options: dict[str, object]) -> str | None:
@@ -279,8 +284,8 @@ def compile_scheduled(lowered: Any, options: dict[str, object] | None, layout: L
     looped collectives of the 8-layer test model without compute (a split gather's inter-node stage, and
     with micro-batches a kept first layer's reduce-scatter), which the estimator alone hides.
     """
-    compiled = compile_lowered(lowered, options)
-    options = options or {}
+    # The second compile starts from the options the first kept: no failed compile or warning twice.
+    compiled, options = _compile(lowered, options)
     if not options.get("xla_gpu_enable_latency_hiding_scheduler") or options.get(
         "xla_gpu_enable_analytical_latency_estimator"
     ):

@@ -452,15 +452,15 @@ def test_a_step_xla_fails_to_double_buffer_compiles_without_double_buffering():
 @needs_compiler
 def test_the_step_is_compiled_again_with_a_profile_that_prices_the_first_programs_instructions(monkeypatch):
     compiles = []
-    compile_lowered = xla.compile_lowered
+    compile_keeping = xla._compile
 
     def recorded(lowered, options):
         path = (options or {}).get(xla.PROFILE_OPTION)
-        compiled = compile_lowered(lowered, options)
+        compiled, kept = compile_keeping(lowered, options)
         compiles.append((path and Path(path).read_text(), compiled.as_text()))
-        return compiled
+        return compiled, kept
 
-    monkeypatch.setattr(xla, "compile_lowered", recorded)
+    monkeypatch.setattr(xla, "_compile", recorded)
     # The profile is for a jaxlib without the analytical estimator (0.11 on); this one compiles either.
     monkeypatch.setattr(jax, "__version_info__", (0, 11, 2))
     report.__wrapped__("h100-sxm", "zero3", 1)
