@@ -1,5 +1,6 @@
 """`amsp-jax plan` and `amsp-jax profile` from the command line."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -215,6 +216,53 @@ def test_probe_fit_prices_a_split_by_what_it_ran_beyond_its_flat_twin():
     assert passes.bandwidth == pytest.approx(flat_only.bandwidth, rel=1e-9)
     assert passes.step_overhead_s == pytest.approx(flat_only.step_overhead_s, rel=1e-9)
     assert passes.split_results == pytest.approx(6.0, rel=1e-6)
+
+
+def test_probe_fit_scales_the_priced_compute_by_what_the_probes_ran():
+    # The probes' matmuls took 1.4x what the time model priced (the sweep ran on a faster minute): told
+    # the compute apart, the fit recovers that factor with the passes' 3 GB/s and the 5 ms fixed cost;
+    # taking the compute as exact, the error lands in those two.
+    rng = np.random.default_rng(4)
+    counts = {"params": 4.0, "grads": 2.5, "opt_state": 18.0, "model": 6.0, "activations": 30.0}
+    probes = []
+    for i in range(12):
+        blocks = tuple(rng.uniform(1e6, 1e8, len(probe.BLOCKS)))
+        traffic = sum(counts[b] * x for b, x in zip(probe.BLOCKS, blocks, strict=True))
+        compute, collectives = rng.uniform(0.01, 0.5), 0.003 * i
+        measured = 0.005 + 1.4 * compute + collectives + traffic / 3e9
+        priced = compute + collectives
+        probes.append(probe.Probe(str(i), blocks, int(traffic), priced, measured, compute_s=compute))
+    passes = probe.fit(probes)
+    assert passes.compute_scale == pytest.approx(1.4, rel=1e-6)
+    assert passes.bandwidth == pytest.approx(3e9, rel=1e-6)
+    assert passes.step_overhead_s == pytest.approx(0.005, rel=1e-6)
+    exact = probe.fit([dataclasses.replace(p, compute_s=0.0) for p in probes])
+    assert exact.compute_scale == 1.0
+    recovered = (exact.bandwidth, exact.step_overhead_s) == (
+        pytest.approx(3e9, rel=0.05),
+        pytest.approx(0.005, rel=0.05),
+    )
+    assert not recovered
+
+
+def test_profile_writes_the_matmul_rates_the_probe_steps_ran_at(tmp_path, monkeypatch):
+    # The sweep's rates, divided by the probe fit's compute scale, are what the written config prices.
+    from amsp_jax.commands import profile
+
+    swept = {dtype: {128: [(2, 1e9), (64, 4e9)], 512: [(2, 2e9), (64, 8e9)]} for dtype in MATMUL_DTYPES}
+    measured = (8e9, 1e9, swept, [(2**20, 1e9)])  # peak, bandwidth, matmul rates, memory passes
+    monkeypatch.setattr(profile, "measure_compute", lambda devices, repeats: measured)
+    monkeypatch.setattr(probe, "run_probes", lambda config, repeats: [])
+    fitted = probe.Passes(dict.fromkeys(probe.BLOCKS, 1.0), 2e9, 0.004, 0.0, compute_scale=2.0)
+    monkeypatch.setattr(probe, "fit", lambda probes, speed: fitted)
+    out = tmp_path / "measured.yaml"
+    assert main(["profile", "--out", str(out), "--sizes", "4KiB", "--repeats", "1"]) == 0
+    config = load(out)
+    for dtype in MATMUL_DTYPES:
+        assert config.matmul_rate(64, dtype, 128) == pytest.approx(2e9)
+        assert config.matmul_rate(2, dtype, 512) == pytest.approx(1e9)
+    assert config.peak_flops == pytest.approx(8e9)  # the sweep's, for MFU
+    assert config.pass_bandwidth == pytest.approx(2e9) and config.step_overhead == pytest.approx(0.004)
 
 
 def test_probe_fit_gives_no_step_a_negative_fixed_cost():

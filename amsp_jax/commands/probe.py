@@ -10,8 +10,13 @@ every placement handles) and the activations. Timing the same steps, in rounds o
 then gives the bandwidth those kernels reach while the step runs (each block at its size's speed,
 `ClusterConfig.pass_speed`), a fixed cost per step (dispatch, the loss reduction), what a P stored
 apart from the master costs and what a split collective's rounded intermediate results cost (zero3
-is timed flat and split), once compute and collectives are priced with the tables just measured;
-the fit weighs each probe by its relative error.
+is timed flat and split), once collectives are priced with the tables just measured; the fit weighs
+each probe by its relative error. Compute is priced with the matmul rates just measured too, times one
+factor the fit finds (`Passes.compute_scale`): the sweep times bare matmuls minutes before the probes
+run, and on the development VM how long the steps' matmuls took against the sweep's rates moved from
+run to run (0.99x and 1.49x in two profiles of one evening); taken as exact, that error landed in the
+pass bandwidth (1.59 and 2.29 GB/s), and with the factor fitted beside it the bandwidth came out at
+2.22 and 2.26 GB/s. The profile writes the sweep's rates divided by the factor: what the steps ran at.
 
 The update's passes belong to the optimizer as much as to the backend: the probes run the
 examples' AdamW chain (global-norm clipping, then AdamW), fp32 master and moments, bf16 compute.
@@ -50,6 +55,7 @@ class Probe:
     measured_s: float
     rounded: float = 0.0  # bytes of split collectives' rounded results, at scale (`cost.rounded_bytes`)
     twin: str = ""  # a split probe's flat form, by label
+    compute_s: float = 0.0  # the compute in `predicted_other_s` (0: not told apart, taken as exact)
 
 
 def _probe_models() -> list[tuple[Any, int]]:
@@ -118,6 +124,7 @@ def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Prob
                 # The rounding passes are priced apart (`rounded`): the blocks' counts leave them out.
                 "traffic": hlo.memory_traffic(step.as_text()) - 2 * sum(t.rounded for t in transfers),
                 "other": estimate.time.compute_s + sum(estimate.time.exposed_s.values()) - rounding,
+                "compute": estimate.time.compute_s,
                 "rounded": rounded,
                 "step": step, "sharded": sharded, "state": trainer.init(jax.random.key(0), batch["inputs"]),
                 "times": [],
@@ -134,7 +141,8 @@ def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Prob
     probes = []
     for found in compiled:
         probes.append(Probe(found["label"], found["blocks"], found["traffic"], found["other"],
-                            statistics.median(found["times"]), found["rounded"], found["twin"]))  # fmt: skip
+                            statistics.median(found["times"]), found["rounded"], found["twin"],
+                            found["compute"]))  # fmt: skip
         say(f"  probe {found['label']}: {found['traffic'] / 1e6:.0f} MB of memory passes, "
             f"{probes[-1].measured_s * 1e3:.0f} ms per step")  # fmt: skip
     return probes
@@ -150,12 +158,14 @@ class Passes:
     traffic_error: float  # largest |predicted / compiled − 1| of the probes' traffic
     stored_params: float = 0.0  # bytes per fp32 parameter byte a stored P adds (`STORED_PARAMS`)
     split_results: float = 2.0  # bytes per byte of a split's rounded results (`SPLIT_RESULTS`)
+    compute_scale: float = 1.0  # the probe steps' compute over what the time model priced it at
 
 
 def fit(probes: list[Probe], speed: Callable[[float], float] = lambda nbytes: 1.0) -> Passes:
-    """Least-squares pass counts from the compiled traffic, then bandwidth and overhead from the times;
-    `speed(nbytes)`: how much faster a pass over a block of that size runs than one at scale
-    (`ClusterConfig.pass_speed`). A split probe (`twin`: its flat form's label) enters only the
+    """Least-squares pass counts from the compiled traffic, then bandwidth, overhead and the scale of
+    the priced compute (where the probes tell it apart) from the times; `speed(nbytes)`: how much
+    faster a pass over a block of that size runs than one at scale (`ClusterConfig.pass_speed`). A
+    split probe (`twin`: its flat form's label) enters only the
     split's price: what it ran beyond its twin, per byte of its rounded results."""
     flat = [p for p in probes if not p.twin]
     blocks = np.array([p.blocks for p in flat])
@@ -174,7 +184,9 @@ def fit(probes: list[Probe], speed: Callable[[float], float] = lambda nbytes: 1.
     modelled = touched.sum(axis=1)
     # The bytes the passes would touch at scale (a small block's run faster): what the times fit.
     at_scale = (touched / np.vectorize(speed)(blocks)).sum(axis=1)
-    rest = np.array([p.measured_s - p.predicted_other_s for p in flat])
+    compute = np.array([p.compute_s for p in flat])
+    # What the probes ran beyond their priced collectives (and their compute, where it is not fitted).
+    rest = np.array([p.measured_s - p.predicted_other_s for p in flat]) + compute
     # Relative errors count: unweighted, the slowest probes' noise would set the fixed cost, which is
     # most of what the smallest steps have left.
     weight = 1 / np.array([p.measured_s for p in flat])
@@ -182,23 +194,28 @@ def fit(probes: list[Probe], speed: Callable[[float], float] = lambda nbytes: 1.
     # are what that costs beyond the block's own passes (`STORED_PARAMS`).
     model = blocks[:, BLOCKS.index("model")]
     stored = (blocks[:, BLOCKS.index("params")] > 0) * model / np.vectorize(speed)(model)
-    # Columns: fixed cost, passes, stored P. A step has no negative fixed cost and a stored P no
-    # negative one: a column the fit would give a negative coefficient is dropped and the rest refit
+    # Columns: fixed cost, passes, stored P, compute. A step has no negative fixed cost and a stored P
+    # no negative one: a column the fit would give a negative coefficient is dropped and the rest refit
     # (keeping the free fit's slope with the intercept dropped would price every step too high by it).
-    columns = [weight, weight * at_scale, weight * stored]
+    columns = [weight, weight * at_scale, weight * stored, weight * compute]
     # Only probes with and without a stored P tell its cost from the passes'.
     active = [0, 1, 2] if stored.any() and not stored.all() else [0, 1]
+    if compute.any():
+        active.append(3)
+    else:
+        rest = rest - compute
     while True:
         found, *_ = np.linalg.lstsq(np.stack([columns[i] for i in active], axis=1), weight * rest, rcond=None)
-        negative = [i for i, c in zip(active, found, strict=True) if c < 0 and i != 1]
+        negative = [i for i, c in zip(active, found, strict=True) if c < 0 and i in (0, 2)]
         if not negative:
             break
         active.remove(negative[0])
-    coefficient = dict.fromkeys(range(3), 0.0) | dict(zip(active, map(float, found), strict=True))
+    coefficient = dict.fromkeys(range(3), 0.0) | {3: 1.0} | dict(zip(active, map(float, found), strict=True))
     overhead, seconds_per_byte = coefficient[0], coefficient[1]
-    if seconds_per_byte <= 0:
+    if seconds_per_byte <= 0 or coefficient[3] <= 0:
+        grows = "memory passes" if seconds_per_byte <= 0 else "compute"
         raise SystemExit(
-            "amsp-jax profile: the probe steps' times do not grow with their memory passes (a busy "
+            f"amsp-jax profile: the probe steps' times do not grow with their {grows} (a busy "
             "machine?); run it again on an idle one, or with --no-passes"
         )
     return Passes(
@@ -208,6 +225,7 @@ def fit(probes: list[Probe], speed: Callable[[float], float] = lambda nbytes: 1.
         float(np.max(np.abs(modelled / traffic - 1))),
         coefficient[2] / seconds_per_byte,
         2.0 if (split := split_cost(probes)) is None else split / seconds_per_byte,
+        coefficient[3],
     )
 
 

@@ -307,6 +307,34 @@ def _device_memory(device: object, devices: int) -> tuple[float, str]:
     return float(total // devices), f"this host's RAM / {devices} devices"
 
 
+def _matmul_lines(matmuls: dict[str, dict[int, list[tuple[int, float]]]], scale: float = 1.0) -> list[str]:
+    """The `matmul_rates` section: the sweep's rates, each divided by `scale` (`Passes.compute_scale`)."""
+    scaled = [] if scale == 1.0 else [
+        f"                    # divided by {scale:.4g}: the probe steps' matmuls took that many times",
+        "                    # what the sweep's rates price (amsp_jax/commands/probe.py)",
+    ]  # fmt: skip
+    return [
+        "  matmul_rates:     # measured: by width W, [tokens, GFLOP/s] of (tokens x W) @ (W x W) and its",
+        "                    # backward, every device at once",
+        *scaled,
+        *(
+            line
+            for dtype, by_width in matmuls.items()
+            for line in (
+                f"    {dtype}:",
+                *(
+                    row
+                    for width, rows in by_width.items()
+                    for row in (
+                        f"      {width}:",
+                        *(f"        - [{t}, {r / scale / 1e9:.4g}]" for t, r in rows),
+                    )
+                ),
+            )
+        ),
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     """Measure and write the cluster YAML; then read it back with the planner's reader."""
     import jax
@@ -380,20 +408,7 @@ def run(args: argparse.Namespace) -> int:
         "  memory_bandwidths:     # measured: [bytes per device, GB/s] of that op into a fresh buffer of",
         "                         # that size, the launch of a program subtracted",
         *(f"    - [{format_size(nbytes)}, {rate / 1e9:.4g}]" for nbytes, rate in memory_rates),
-        "  matmul_rates:     # measured: by width W, [tokens, GFLOP/s] of (tokens x W) @ (W x W) and its",
-        "                    # backward, every device at once",
-        *(
-            line
-            for dtype, by_width in matmuls.items()
-            for line in (
-                f"    {dtype}:",
-                *(
-                    row
-                    for width, rows in by_width.items()
-                    for row in (f"      {width}:", *(f"        - [{t}, {r / 1e9:.4g}]" for t, r in rows))
-                ),
-            )
-        ),
+        *(matmul_section := _matmul_lines(matmuls)),
         "overlap:",
         *(
             ["  enabled: false     # XLA:CPU runs collectives as blocking rendezvous on the compute threads"]
@@ -425,6 +440,9 @@ def run(args: argparse.Namespace) -> int:
 
         print("amsp-jax profile: probe steps for the memory passes", flush=True)
         passes = probe.fit(probe.run_probes(config, args.repeats), config.pass_speed)
+        # The rates the probe steps' matmuls ran at replace the sweep's (`Passes.compute_scale`).
+        start = lines.index(matmul_section[0])
+        lines[start : start + len(matmul_section)] = _matmul_lines(matmuls, passes.compute_scale)
         lines += [
             "memory_passes:     # the probe steps' memory-bound kernels (amsp_jax/commands/probe.py): bytes",
             "                   # touched per byte of each block, read off the compiled programs, and the",
@@ -442,7 +460,8 @@ def run(args: argparse.Namespace) -> int:
               + ", ".join(f"{b} {c:.3g}" for b, c in passes.per_byte.items())
               + f" (compiled traffic within {passes.traffic_error:.0%}); a stored P "
               + f"{passes.stored_params:.3g} per fp32 parameter byte, a split's rounded results "
-              + f"{passes.split_results:.3g} per byte")  # fmt: skip
+              + f"{passes.split_results:.3g} per byte; the steps' matmuls took {passes.compute_scale:.3g}x "
+              + "what the sweep's rates price")  # fmt: skip
     print(f"amsp-jax profile: wrote {out} ({config.name}: {nodes} nodes x {per_node} {platform} devices)")
     for kind in tables:
         for level, rows in tables[kind].items():
