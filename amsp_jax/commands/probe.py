@@ -165,8 +165,8 @@ def fit(probes: list[Probe], speed: Callable[[float], float] = lambda nbytes: 1.
     """Least-squares pass counts from the compiled traffic, then bandwidth, overhead and the scale of
     the priced compute (where the probes tell it apart) from the times; `speed(nbytes)`: how much
     faster a pass over a block of that size runs than one at scale (`ClusterConfig.pass_speed`). A
-    split probe (`twin`: its flat form's label) enters only the
-    split's price: what it ran beyond its twin, per byte of its rounded results."""
+    split probe (`twin`: its flat form's label) enters only the split's price: what it ran beyond its
+    twin, per byte of its rounded results."""
     flat = [p for p in probes if not p.twin]
     blocks = np.array([p.blocks for p in flat])
     traffic = np.array([p.traffic for p in flat], dtype=float)
@@ -185,7 +185,8 @@ def fit(probes: list[Probe], speed: Callable[[float], float] = lambda nbytes: 1.
     # The bytes the passes would touch at scale (a small block's run faster): what the times fit.
     at_scale = (touched / np.vectorize(speed)(blocks)).sum(axis=1)
     compute = np.array([p.compute_s for p in flat])
-    # What the probes ran beyond their priced collectives (and their compute, where it is not fitted).
+    # What the probes ran beyond their priced collectives; where `compute_s` does not tell the compute
+    # apart (zero), beyond their priced compute too.
     rest = np.array([p.measured_s - p.predicted_other_s for p in flat]) + compute
     # Relative errors count: unweighted, the slowest probes' noise would set the fixed cost, which is
     # most of what the smallest steps have left.
@@ -202,8 +203,6 @@ def fit(probes: list[Probe], speed: Callable[[float], float] = lambda nbytes: 1.
     active = [0, 1, 2] if stored.any() and not stored.all() else [0, 1]
     if compute.any():
         active.append(3)
-    else:
-        rest = rest - compute
     while True:
         found, *_ = np.linalg.lstsq(np.stack([columns[i] for i in active], axis=1), weight * rest, rcond=None)
         negative = [i for i, c in zip(active, found, strict=True) if c < 0 and i in (0, 2)]
