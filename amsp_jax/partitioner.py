@@ -1,7 +1,7 @@
 """The scale-aware partitioner: the fastest P/G/OS placement, micro-batch size and remat policy that fits.
 
 `choose(model, cluster, nodes, seq_len=..., global_batch_tokens=...)` is the entry point. It builds
-the *decomposed* time and memory model (`Terms`), solves an ILP over it (pulp, CBC), and re-evaluates
+the *decomposed* time and memory model (`Terms`), solves an ILP over it (pulp, HiGHS), and re-evaluates
 the winner with the full cost and time models (`amsp_jax.cost`, `amsp_jax.timing`).
 
 Why the decomposition is exact. Under the whole-node rule every component's collectives run over
@@ -38,8 +38,9 @@ import dataclasses
 import functools
 import itertools
 import math
+import os
+import sys
 import time
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -502,8 +503,35 @@ def smallest_memory(terms: Terms) -> tuple[float, Choice]:
 COMPONENTS = ("P", "G", "OS")
 
 
-# pulp 3.x deprecates these spellings for 4.0, but its bundled CBC (the only solver it installs) needs them.
-_PULP_DEPRECATIONS = ("Constructing LpVariable", "PULP_CBC_CMD is deprecated")
+@functools.cache
+def _quiet_highs() -> None:
+    """Build one HiGHS instance with the process's stdout pointed at /dev/null: highspy 1.16 prints a
+    banner to the C stdout on the first one a process builds, whatever its options say, which would
+    corrupt `amsp-jax plan --json`; later instances print nothing."""
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _highs() -> pulp.LpSolver:
+    """HiGHS, exact (no optimality gap), through highspy: the solver pulp 3 and pulp 4 both run in
+    process (pulp 4, which Python 3.12 installs, no longer bundles CBC)."""
+    _quiet_highs()
+    return pulp.HiGHS(msg=False, gapRel=0, gapAbs=0)
+
+
+def _optimal(solved: object) -> bool:
+    """Whether `LpProblem.solve`'s answer is a proven optimum: pulp 3 answers a status code (1:
+    optimal), pulp 4 a record holding one."""
+    return int(getattr(solved, "status", solved)) == 1
 
 
 def solve(terms: Terms, fixed: Choice | None = None) -> Solution | None:
@@ -511,23 +539,16 @@ def solve(terms: Terms, fixed: Choice | None = None) -> Solution | None:
 
     `fixed` pins every binary to one choice, so the ILP's objective can be checked against the model.
     """
-    with warnings.catch_warnings():
-        for message in _PULP_DEPRECATIONS:
-            warnings.filterwarnings("ignore", message=message, category=DeprecationWarning)
-        return _solve(terms, fixed)
-
-
-def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
     start = time.perf_counter()
     qs, pis = terms.placements, range(len(terms.profiles))
     prob = pulp.LpProblem("amsp_plan", pulp.LpMinimize)
-    x = {(c, q): pulp.LpVariable(f"x_{c}_{q}", cat="Binary") for c in COMPONENTS for q in qs}
-    u = {pi: pulp.LpVariable(f"u_{pi}", cat="Binary") for pi in pis}
-    mb = {b: pulp.LpVariable(f"m_{b}", cat="Binary") for b, _ in terms.batchings}
-    rho = {r: pulp.LpVariable(f"r_{r}", cat="Binary") for r in terms.remats}
+    x = {(c, q): prob.add_variable(f"x_{c}_{q}", cat="Binary") for c in COMPONENTS for q in qs}
+    u = {pi: prob.add_variable(f"u_{pi}", cat="Binary") for pi in pis}
+    mb = {b: prob.add_variable(f"m_{b}", cat="Binary") for b, _ in terms.batchings}
+    rho = {r: prob.add_variable(f"r_{r}", cat="Binary") for r in terms.remats}
 
     def product(name: str) -> pulp.LpVariable:
-        return pulp.LpVariable(name, lowBound=0, upBound=1)
+        return prob.add_variable(name, lowBound=0, upBound=1)
 
     z = {(c, q, pi): product(f"z_{c}_{q}_{pi}") for c in COMPONENTS for q, pi in terms.possible}
     z_red = {k: product(f"zr_{k[0]}_{k[1]}_{k[2]}") for k in terms.reduction}
@@ -583,7 +604,7 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
     micro = dict(terms.batchings)
     no_accumulator = total(mb[b] for b, m in terms.batchings if not accumulates(m))
     prefetching = total(w[(b, r)] for (b, r) in w if terms.request.prefetches(micro[b], r))
-    grads, loss, backward = pulp.LpAffineExpression(), pulp.LpAffineExpression(), pulp.LpAffineExpression()
+    grads, loss, backward = pulp.lpSum([]), pulp.lpSum([]), pulp.lpSum([])
     for q, pi in terms.possible:
         single, fp32 = terms.g_memory[(q, pi, False)], terms.g_memory[(q, pi, True)]
         other_single, other_fp32 = terms.g_other_memory[(q, pi, False)], terms.g_other_memory[(q, pi, True)]
@@ -621,11 +642,11 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
 
     # Step time: compute + memory passes + one exposed-time variable per overlap window, bounded below by
     # both arms of `timing.exposed` (exact at the optimum, where it sits on the larger one).
-    # Times enter in units of 1e-4 of the longest compute, so CBC's absolute tolerances (1e-7 on
-    # constraints, 1e-5 as the least objective improvement it looks for) stay far below the
+    # Times enter in units of 1e-4 of the longest compute, so HiGHS's absolute tolerances (1e-7 on
+    # constraints, 1e-6 on integrality; the optimality gap is set to 0) stay far below the
     # differences between plans that the tests compare (1e-6 relative).
     scale = 1e4 / max(c.total for c in terms.compute.values())
-    exposed = {name: pulp.LpVariable(f"e_{name.replace(' ', '_')}", lowBound=0) for name in timing.WINDOWS}
+    exposed = {name: prob.add_variable(f"e_{name.replace(' ', '_')}", lowBound=0) for name in timing.WINDOWS}
     # Where collectives cannot overlap compute, every window exposes all of its communication.
     hardware = terms.request.cluster
     kappa = hardware.overlap_interference if hardware.overlap_enabled else 1.0
@@ -639,7 +660,7 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
             total(t * z_red[k] for k, t in terms.reduction.items()),
             total(terms.request.cluster.reduction_overlap * terms.compute[k].last_backward * w[k] for k in w),
         ),
-        "optimizer update": (_update_time(prob, terms, x, product), pulp.LpAffineExpression()),
+        "optimizer update": (_update_time(prob, terms, x, product), pulp.lpSum([])),
     }
     for name, (comm, hide) in step_level.items():
         prob += exposed[name] >= scale * (comm - hide)
@@ -685,8 +706,7 @@ def _solve(terms: Terms, fixed: Choice | None) -> Solution | None:
             prob += x[(c, q)] == 1
         prob += mb[fixed.micro_batch_size] == 1
         prob += rho[fixed.remat] == 1
-    status = prob.solve(pulp.PULP_CBC_CMD(msg=False, gapRel=0, gapAbs=0))
-    if pulp.LpStatus[status] != "Optimal":
+    if not _optimal(prob.solve(_highs())):
         return None
 
     def chosen(variables: dict) -> object:
@@ -710,9 +730,9 @@ def _update_time(
     y_t (t is the largest group of the three components) and products x_OS,o · y_t."""
     priced = {k: v for k, v in terms.update.items() if v}
     if not priced:
-        return pulp.LpAffineExpression()
+        return pulp.lpSum([])
     qs = terms.placements
-    y = {q: pulp.LpVariable(f"top_{q}", cat="Binary") for q in qs}
+    y = {q: prob.add_variable(f"top_{q}", cat="Binary") for q in qs}
     prob += pulp.lpSum(list(y.values())) == 1
     for q in qs:
         larger = pulp.lpSum([x[(c, r)] for c in COMPONENTS for r in qs if r.degree > q.degree])
