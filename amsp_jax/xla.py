@@ -111,16 +111,26 @@ def combine_thresholds(platform: str, layer_bytes: int = 0) -> dict[str, float]:
 ANALYTICAL_ESTIMATOR_BEFORE = (0, 11)
 
 
+# jaxlib 0.11 removed the collective pipeliner's options (it pipelines under effort level O1, below).
+PIPELINER_OPTIONS_BEFORE = (0, 11)
+
+
 def scheduler_options() -> dict[str, object]:
-    """The latency-hiding scheduler's options for this jaxlib: the analytical estimator where it runs
-    without aborting (elsewhere `compile_scheduled` gives the scheduler a profile)."""
-    if tuple(jax.__version_info__[:2]) < ANALYTICAL_ESTIMATOR_BEFORE:
-        return {"xla_gpu_enable_analytical_latency_estimator": True}
-    return {}
+    """The latency-hiding scheduler's and the collective pipeliner's options for this jaxlib: the
+    analytical estimator where it runs without aborting (elsewhere `compile_scheduled` gives the
+    scheduler a profile), the pipeliner's options where they exist."""
+    version = tuple(jax.__version_info__[:2])
+    options: dict[str, object] = {}
+    if version < ANALYTICAL_ESTIMATOR_BEFORE:
+        options["xla_gpu_enable_analytical_latency_estimator"] = True
+    if version < PIPELINER_OPTIONS_BEFORE:
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            options[f"xla_gpu_enable_pipelined_{kind}"] = True
+    return options
 
 
 # XLA's effort level O1 (`EFFORT_O1` of its `ExecutionOptions`; JAX's `jax_optimization_level`), passed
-# per compile. jaxlib 0.11 removed the `xla_gpu_enable_pipelined_*` options above (they pipeline under O1
+# per compile. jaxlib 0.11 removed the `xla_gpu_enable_pipelined_*` options (they pipeline under O1
 # instead) and aborts in the analytical estimator (`Check failed: buffer != nullptr`, compiling LLaMA-7B
 # for 1,024 A100s on an H100 machine's jaxlib 0.11.2), so there the level is what overlaps the layer
 # loops' collectives: that step's per-layer collective bytes with compute between start and done went
@@ -141,9 +151,6 @@ def gpu_options(layer_bytes: int = 0, slop_factor: int | None = None) -> dict[st
         **scheduler_options(),
         "xla_gpu_enable_highest_priority_async_stream": True,
         "xla_gpu_enable_while_loop_double_buffering": True,
-        "xla_gpu_enable_pipelined_all_gather": True,
-        "xla_gpu_enable_pipelined_reduce_scatter": True,
-        "xla_gpu_enable_pipelined_all_reduce": True,
         "xla_gpu_all_gather_combine_threshold_bytes": int(thresholds["all-gather"]),
         "xla_gpu_reduce_scatter_combine_threshold_bytes": int(thresholds["reduce-scatter"]),
         "xla_gpu_all_reduce_combine_threshold_bytes": int(thresholds["all-reduce"]),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import warnings
 from pathlib import Path
 
 import jax
@@ -439,13 +440,19 @@ def test_a_step_xla_fails_to_double_buffer_compiles_without_double_buffering():
     """XLA 0.10.2 fails this plan for an H100 with while-loop double buffering on ("Block level fusion
     config is required for Triton fusions": the loop's clone of a Triton gemm fusion has no tiling), which
     effort level O1 also turns on; the step compiles without the two, says so, and its bytes are still
-    the predicted ones."""
+    the predicted ones. jaxlib 0.11.2 compiles it with every option, and says nothing."""
     wide = LlamaConfig(
         vocab_size=2048, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=688, max_seq_len=128
     )
-    dropped = "'xla_gpu_enable_while_loop_double_buffering', 'optimization_level'"
-    with pytest.warns(UserWarning, match=dropped):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         r = report("h100-sxm", "zero2", 2, config=wide)
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    if tuple(jax.__version_info__[:2]) < (0, 11):
+        dropped = "'xla_gpu_enable_while_loop_double_buffering', 'optimization_level'"
+        assert any(dropped in message for message in said), said
+    else:
+        assert said == []
     assert r.bytes_match
 
 
