@@ -64,7 +64,9 @@ class Collective:
     source_target_pairs: tuple[tuple[int, int], ...]
     trip_count: int
     dtype: str
-    scalar: bool = False  # every result is rank 0: loss and norm reductions, not model-state traffic
+    # Every result is one element (rank 0, or one sum kept as `f32[1]`, as jaxlib 0.10 keeps one matrix's
+    # Frobenius norm where 0.12 bitcasts it from rank 0): loss and norm reductions, not model-state traffic.
+    scalar: bool = False
     op_name: str = ""  # the JAX operation it came from (`metadata`); combined collectives join theirs by `:`
 
 
@@ -515,7 +517,7 @@ def _collective(
         source_target_pairs=tuple((p[0], p[1]) for p in pairs),
         trip_count=trip_count,
         dtype=first.group(1) if first else "",
-        scalar=all(not dims.strip() for _, dims in _ARRAY.findall(output))
+        scalar=all(_dims_elements(dims) == 1 for _, dims in _ARRAY.findall(output))
         or (kind == "all-reduce" and _concatenated_scalars(ins, body)),
         op_name=_op_name(ins),
     )
@@ -569,7 +571,7 @@ def _split_scalars(c: Collective, ins: _Instruction) -> list[Collective]:
     if c.kind != "all-reduce" or c.scalar:
         return [c]
     arrays = _ARRAY.findall(_output_shape(ins))
-    scalar_bytes = sum(_DTYPE_BYTES[dtype] for dtype, dims in arrays if not dims.strip())
+    scalar_bytes = sum(_DTYPE_BYTES[dtype] for dtype, dims in arrays if _dims_elements(dims) == 1)
     if not scalar_bytes:
         return [c]
     tensors = replace(

@@ -11,7 +11,7 @@ Adafactor (`FactoredState`: second moments factored over the two largest dimensi
 and d1 the other):
   - d = d0: the row statistic (mean over d0) is summed over the group: all-reduce of |S|/S[d0];
   - d = d1: the column statistic: all-reduce of |S|/S[d1]; then the mean of the row statistic over
-    d1: all-reduce of |S|/(S[d0]·S[d1]) elements (a scalar, not counted, when no dimension is left);
+    d1: all-reduce of |S|/(S[d0]·S[d1]) elements (a scalar, not counted, when that is one element);
   - a statistic that lost d but that the state's placement (`amsp_jax.optim_state`) splits anyway (equal
     sizes make its shape ambiguous) is all-gathered where it is used: |S|/S[d]/k elements per device;
   - another d: nothing (the means run over whole dimensions).
@@ -33,6 +33,7 @@ iterations A = X·Xᵀ, B = βA + γA·A, X = αX + B·X. Where d lands decides 
     device (collective-permutes of b·m·n/R and b·m²/R elements), all-gathers X over the replicas
     (blocks of b·m·n/R) and sums partial products there (all-reduces of b·m²/k and b·m·n/k); the norm
     all-reduces b sums over the group.
+The norm of a single matrix (b = 1) is one sum, a scalar reduction like the loss's: not counted.
 These were checked on meshes of 4 to 1,024 CPU devices (OS groups of 2 to 1,024, up to 128 replicas)
 for every LLaMA-7B leaf and for small leaves of every kind above.
 
@@ -145,7 +146,7 @@ def _adafactor_ops(
     ops = build.all_reduce(UPDATE, group_axes, lost, FP32, 1)
     if d == d1:
         left = size // (shape[d0] * shape[d1])
-        if len(shape) > 2:  # the mean of the row statistic over d1; with nothing left, a scalar
+        if left > 1:  # the mean of the row statistic over d1; with one element left, a scalar
             ops += build.all_reduce(UPDATE, group_axes, left, FP32, 1)
     reduced_shape = tuple(s for i, s in enumerate(shape) if i != d)
     if optim_state.leaf_spec(split, reduced_shape) != jax.sharding.PartitionSpec():
@@ -171,7 +172,8 @@ def _muon_ops(build: _Builder, group_axes: tuple[str, ...], split: LeafLayout, l
         return []
     m, n = min(r, o), max(r, o)
     rows = "output" if r > o else "reduction"
-    norm = build.all_reduce(UPDATE, group_axes, b, FP32, 1)
+    # One matrix's norm (b = 1) is one sum: a scalar reduction, left out like the loss's.
+    norm = build.all_reduce(UPDATE, group_axes, b, FP32, 1) if b > 1 else []
     steps = leaf.steps
     if where != rows:  # the contracted dimension: partial products of A summed
         return norm + build.all_reduce(UPDATE, group_axes, b * m * m, FP32, steps)

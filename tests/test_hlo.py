@@ -418,11 +418,11 @@ ENTRY %main (p0: f32[8,128], p1: bf16[8], p2: s32[], p3: pred[4], p4: f16[2], p5
     )
     found = _by_name(parse_collectives(text, 4))
     expected = 8 * 128 * 4 + 8 * 2 + 4 + 4 + 2 * 2 + 16 + 3 * 4 + 8
-    # The rank-0 element (s32[]) is a scalar reduction merged into the tuple: recorded apart.
-    tensors = expected - 4
+    # The one-element arrays (s32[] and f64[1]) are scalar reductions merged into the tuple: recorded apart.
+    tensors = expected - 4 - 8
     assert (found["combined"].operand_bytes, found["combined"].result_bytes) == (tensors, tensors)
     assert not found["combined"].scalar
-    assert found["combined.scalars"].scalar and found["combined.scalars"].result_bytes == 4
+    assert found["combined.scalars"].scalar and found["combined.scalars"].result_bytes == 12
     assert (found["old"].operand_bytes, found["old"].result_bytes) == (4096, 16384)
 
 

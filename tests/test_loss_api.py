@@ -293,7 +293,9 @@ def test_llama_embedding_lookup_equals_take_in_value_and_gradient(dtype):
 
 def test_llama_embedding_gradient_buffer_is_not_held_through_the_forward(monkeypatch):
     # A zero3 step of a model whose vocab x dim table dominates: with a plain `jnp.take` XLA creates
-    # the gradient's fp32 zero buffer at the step's start, beside the gathered weights of the forward.
+    # the gradient's zero buffer at the step's start, beside the gathered weights of the forward. Measured:
+    # jaxlib 0.10.2 holds it in fp32 (1 MiB more temporary memory than ours), 0.11.2 and 0.12.0.1 in
+    # bf16 (512 KiB more).
     config = LlamaConfig(vocab_size=4096, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (8, 33), np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
@@ -309,4 +311,5 @@ def test_llama_embedding_gradient_buffer_is_not_held_through_the_forward(monkeyp
     ours = temp_bytes()
     monkeypatch.setattr(llama, "embedding_lookup", lambda table, ids: jnp.take(table, ids, axis=0))
     with_take = temp_bytes()
-    assert with_take - ours >= config.vocab_size * config.dim * 4
+    itemsize = 4 if tuple(jax.__version_info__[:2]) < (0, 11) else 2
+    assert with_take - ours >= config.vocab_size * config.dim * itemsize
