@@ -64,8 +64,9 @@ class Collective:
     source_target_pairs: tuple[tuple[int, int], ...]
     trip_count: int
     dtype: str
-    # Every result is one element (rank 0, or one sum kept as `f32[1]`, as jaxlib 0.10 keeps one matrix's
-    # Frobenius norm where 0.12 bitcasts it from rank 0): loss and norm reductions, not model-state traffic.
+    # Every result is one element (rank 0, or `f32[1]`: one matrix's Frobenius norm, which jaxlib 0.10
+    # reduces as `f32[1]` and 0.12 bitcasts from rank 0 first): loss and norm reductions, not model-state
+    # traffic.
     scalar: bool = False
     op_name: str = ""  # the JAX operation it came from (`metadata`); combined collectives join theirs by `:`
 
