@@ -12,10 +12,10 @@ class AmspError(ValueError):
 # Errors of the library and of its readers that mean "the input is wrong", by module and class name.
 # Looked up in `sys.modules` so that classifying an error never imports a module (Orbax takes a second).
 _INPUT_ERRORS = (
-    ("amsp_jax.space", "StrategyError"),
-    ("amsp_jax.partitioner", "PlanError"),
-    ("amsp_jax.cluster_config", "ClusterConfigError"),
-    ("amsp_jax.checkpoint", "CheckpointError"),
+    ("amsp_jax.core.space", "StrategyError"),
+    ("amsp_jax.planner.partitioner", "PlanError"),
+    ("amsp_jax.cost.hardware", "ClusterConfigError"),
+    ("amsp_jax.run.checkpoint", "CheckpointError"),
     ("yaml", "YAMLError"),
 )
 

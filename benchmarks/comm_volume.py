@@ -21,12 +21,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from amsp_jax import audit, cost
+from amsp_jax.compiled import audit
+from amsp_jax.core.mesh import plan_axes
+from amsp_jax.core.plan import Plan
+from amsp_jax.core.space import AMSP_PUBLISHED, PRESETS, Cluster, Strategy, preset
+from amsp_jax.cost import model as cost
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
-from amsp_jax.plan import Plan
-from amsp_jax.sharding import plan_axes
-from amsp_jax.space import AMSP_PUBLISHED, PRESETS, Cluster, Strategy, preset
-from amsp_jax.step import Trainer
+from amsp_jax.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_STRATEGIES = ["p=1x1,g=1x1,os=4x1", "p=2x1,g=2x1,os=4x1", "p=4x1,g=4x1,os=4x2"]

@@ -1,7 +1,7 @@
 """amsp_jax's step compiled for an A100/H100 cluster on this machine (no GPU): bytes, memory, overlap.
 
 For every plan, the real step is compiled by XLA's CUDA compiler for `--nodes` hosts of 8 GPUs of the
-target (`amsp_jax.gpu_target`), and the audit reads the scheduled program: bytes per device and level
+target (`amsp_jax.compiled.gpu_target`), and the audit reads the scheduled program: bytes per device and level
 beside the cost model's, compiled memory per device (`memory_analysis`) beside `cost.memory`, and the
 share of per-layer collective bytes that have matrix compute between their start and done. The GSPMD
 peer (`benchmarks/peer_gspmd.py`, FSDP and ZeRO-1) is compiled for the same cluster.
@@ -28,13 +28,14 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from amsp_jax import audit, cost, gpu_target, xla
-from amsp_jax.cluster_config import load as load_cluster
+from amsp_jax.compiled import audit, gpu_target, xla
+from amsp_jax.core.mesh import plan_axes
+from amsp_jax.core.plan import Plan
+from amsp_jax.core.space import AMSP_PUBLISHED, PRESETS, Cluster, Strategy, ddp, preset
+from amsp_jax.cost import model as cost
+from amsp_jax.cost.hardware import load as load_cluster
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
-from amsp_jax.plan import Plan
-from amsp_jax.sharding import plan_axes
-from amsp_jax.space import AMSP_PUBLISHED, PRESETS, Cluster, Strategy, ddp, preset
-from amsp_jax.step import Trainer
+from amsp_jax.trainer import Trainer
 from benchmarks import peer_gspmd
 
 REPO = Path(__file__).resolve().parent.parent

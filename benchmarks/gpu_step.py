@@ -5,7 +5,7 @@ rate at the layer shapes, memory bandwidth) and writes the cluster config the ti
 for each (micro-batches, remat) pair, the real `Trainer` step of `configs/models/llama-1b.yaml`
 (TinyLlama-1.1B's shape; mixed precision, AdamW, cuDNN flash attention) is compiled, its compiled
 memory read, and it is timed: `--warmup` untimed steps, then `--steps` timed ones, each waited for.
-The prediction is `amsp_jax.timing.estimate` with the measured config, and with the shipped
+The prediction is `amsp_jax.cost.timing.estimate` with the measured config, and with the shipped
 `h100-dgx` one (datasheet peak × its assumed efficiency). MFU counts model FLOPs (Megatron-LM: 6Φ +
 12·L·H·Q·T per token, no recompute, no causal halving) over the datasheet bf16 dense peak in
 `configs/clusters/h100-dgx.yaml` (the H200 has the H100's tensor cores). Two steps of each pair
@@ -47,10 +47,13 @@ import yaml
 from jax.sharding import NamedSharding
 
 import amsp_jax as aj
-from amsp_jax import audit, config_files, cost, gpu_target, hlo, timing, xla
-from amsp_jax.cluster_config import ClusterConfig, from_dict, load
+from amsp_jax.compiled import audit, gpu_target, hlo, xla
+from amsp_jax.core import config_files
+from amsp_jax.core.mesh import batch_spec
+from amsp_jax.cost import model as cost
+from amsp_jax.cost import timing
+from amsp_jax.cost.hardware import ClusterConfig, from_dict, load
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
-from amsp_jax.sharding import batch_spec
 from benchmarks.step_time import abstract, make_batch, optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +77,7 @@ def card(device: Any) -> str:
 
 def profile_device(out: Path) -> Path:
     """Run `amsp-jax profile` on this device (compute only: one device has no collective to time)."""
-    from amsp_jax.commands import profile
+    from amsp_jax.cli import profile
 
     path = out / f"gpu_profile_{card(jax.devices()[0])}.yaml"
     args = argparse.Namespace(

@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from amsp_jax import gpu_target
-from amsp_jax.cluster_config import from_dict
+from amsp_jax.compiled import gpu_target
+from amsp_jax.cost.hardware import from_dict
 from amsp_jax.models.llama import Llama, LlamaConfig
 from benchmarks.gpu_step import compiled_traffic, make_trainer, model_of, traced_pairs
 from benchmarks.step_time import make_batch

@@ -4,7 +4,7 @@ For every leaf of a LLaMA model, the real optax update of that leaf (Muon with t
 dimension numbers, or Adafactor) is compiled under jit for a CPU mesh of the cluster's size (compile
 only: nothing runs), its master, gradient and optimizer state placed as the `Trainer` places them
 for the strategy; the collectives of the compiled program (bytes per device, by kind and link level)
-are set beside `amsp_jax.optimizer_cost`'s prediction. The step's own collectives are not part of
+are set beside `amsp_jax.cost.optimizer`'s prediction. The step's own collectives are not part of
 this program (the audit checks those, and the update's, on whole compiled steps).
 
 `--whole-matrices` measures the layout distributed Muon implementations use instead: each device
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["XLA_FLAGS"] = (
         f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
     )
-    from amsp_jax.config_files import find
+    from amsp_jax.core.config_files import find
     from amsp_jax.models.llama import LlamaConfig
 
     config = LlamaConfig.from_yaml(find("models", args.model))
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _leaves(config: Any) -> list[tuple[tuple[str, ...], tuple[int, ...], bool]]:
-    from amsp_jax.cost import llama_workload
+    from amsp_jax.cost.model import llama_workload
 
     return [(leaf.path, leaf.shape, leaf.stacked) for leaf in llama_workload(config, 1).leaves]
 
@@ -112,7 +112,7 @@ def _single_leaf_optimizer(kind: str, config: Any, path: tuple[str, ...]) -> Any
 
 
 def _compiled_bytes(compiled: Any, layout: Any) -> dict[str, int]:
-    from amsp_jax import hlo
+    from amsp_jax.compiled import hlo
 
     node = layout.node_of_device()
     totals: dict[str, int] = {}
@@ -132,7 +132,7 @@ def _compile_update(opt: Any, layout: Any, leaf: Any, inner: Any | None = None) 
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from amsp_jax import optim_state
+    from amsp_jax.core import optim_state
 
     params = {"w": jax.ShapeDtypeStruct(leaf.shape, np.float32)}
     abstract = optim_state.abstract_state(opt, params)
@@ -162,7 +162,9 @@ def check_leaves(cluster: Any, strategy: str, config: Any, kind: str, only: str 
     import numpy as np
 
     import amsp_jax as aj
-    from amsp_jax import cost, optimizer_cost, sharding
+    from amsp_jax.core import mesh as sharding
+    from amsp_jax.cost import model as cost
+    from amsp_jax.cost import optimizer as optimizer_cost
 
     layout = sharding.make_layout(cluster, aj.resolve(strategy, cluster))
     rows = []
@@ -205,7 +207,7 @@ def whole_matrices(cluster: Any, strategy: str, config: Any) -> list[dict]:
     from jax.sharding import PartitionSpec as P
 
     import amsp_jax as aj
-    from amsp_jax import sharding
+    from amsp_jax.core import mesh as sharding
 
     layout = sharding.make_layout(cluster, aj.resolve(strategy, cluster))
     axes = layout.axes("opt_state")

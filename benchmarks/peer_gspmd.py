@@ -40,10 +40,10 @@ from flax import traverse_util
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from amsp_jax import audit
-from amsp_jax.layers import LayerContext, StackOps, layer_context, recording_stacks
-from amsp_jax.sharding import ordered_devices, plan_axes
-from amsp_jax.space import Cluster, ddp
+from amsp_jax.compiled import audit
+from amsp_jax.core.mesh import ordered_devices, plan_axes
+from amsp_jax.core.space import Cluster, ddp
+from amsp_jax.layers.stack import LayerContext, StackOps, layer_context, recording_stacks
 
 MODES = ("fsdp", "zero1")
 MESH_AXES = ("inter", "intra")

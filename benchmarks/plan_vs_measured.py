@@ -1,7 +1,7 @@
 """Predicted against measured step time: every preset, random valid strategies and the planner's choice.
 
 The run first profiles this machine (`amsp-jax profile`, written beside the results), so the time
-model (`amsp_jax.timing.estimate`) prices every plan with what the machine measures now: the same
+model (`amsp_jax.cost.timing.estimate`) prices every plan with what the machine measures now: the same
 development VM measured 57 GFLOP/s of fp32 matmuls one day and 31 the next, and a config profiled
 on another day predicts that day. `--no-profile --cluster-config NAME` prices with a stored config
 instead. For each model size every configuration is compiled, its step time predicted and
@@ -38,9 +38,13 @@ from pathlib import Path
 import jax
 
 import amsp_jax as aj
-from amsp_jax import audit, cli, cost, partitioner, timing
-from amsp_jax.cluster_config import load
+from amsp_jax import cli
+from amsp_jax.compiled import audit
+from amsp_jax.cost import model as cost
+from amsp_jax.cost import timing
+from amsp_jax.cost.hardware import load
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
+from amsp_jax.planner import partitioner
 from benchmarks.step_time import make_batch, optimizer
 
 ROOT = Path(__file__).resolve().parent.parent

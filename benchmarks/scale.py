@@ -18,11 +18,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from amsp_jax import partitioner as pt
-from amsp_jax.cluster_config import ClusterConfig, load
+from amsp_jax.core.plan import REMAT_POLICIES
+from amsp_jax.core.space import AMSP_PUBLISHED, Strategy
+from amsp_jax.cost.hardware import ClusterConfig, load
 from amsp_jax.models.llama import LlamaConfig
-from amsp_jax.plan import REMAT_POLICIES
-from amsp_jax.space import AMSP_PUBLISHED, Strategy
+from amsp_jax.planner import partitioner as pt
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

@@ -2,7 +2,7 @@
 
 For each model: the GSPMD FSDP and ZeRO-1 baselines (`benchmarks.peer_gspmd`), every amsp_jax preset
 and the partitioner's plan, all in mixed precision with per-layer remat and the same micro-batching.
-Every program is compiled first and read by `amsp_jax.audit.measure` (collective bytes per device
+Every program is compiled first and read by `amsp_jax.compiled.audit.measure` (collective bytes per device
 by link level, compiled memory per device); then the step times are taken interleaved (A B C A B C
 …, after warm-up), each round starting one place later, so that a slow spell of a shared machine
 hits every configuration alike. Configurations whose states do not fit in memory together are timed
@@ -41,10 +41,10 @@ import numpy as np
 import optax
 
 import amsp_jax as aj
-from amsp_jax import audit, hlo
+from amsp_jax.compiled import audit, hlo
+from amsp_jax.compiled.xla import compile_lowered, compiler_options
+from amsp_jax.core.mesh import ordered_devices
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
-from amsp_jax.sharding import ordered_devices
-from amsp_jax.xla import compile_lowered, compiler_options
 from benchmarks.peer_gspmd import CLAIM_PAIRS, build_gspmd_step, claim_violations, make_mesh, measure_peer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,7 +185,7 @@ def chosen_plan(
     full remat), else `fallback`; and its source."""
     micro_batches = global_batch // cluster.num_devices
     try:
-        from amsp_jax import partitioner
+        from amsp_jax.planner import partitioner
 
         chosen = partitioner.choose(
             config, cluster, seq_len=seq_len, global_batch=global_batch, micro_batch_size=1, remat="full"
@@ -194,7 +194,7 @@ def chosen_plan(
         reason = f"{type(error).__name__}: {error}"
         plan = aj.Plan(cluster, aj.resolve(fallback, cluster), micro_batches, precision="mixed", remat="full")
         return plan, f"--chosen {fallback} (the partitioner failed: {reason})"
-    source = "amsp_jax.partitioner.choose at micro-batch size 1 and full remat"
+    source = "amsp_jax.planner.partitioner.choose at micro-batch size 1 and full remat"
     return chosen.to_plan(cluster, "mixed"), source
 
 
@@ -502,8 +502,8 @@ def markdown(report: dict[str, Any]) -> str:
         "fp32 master and moments, fp32 gradient accumulation over M micro-batches of 1 sequence per device; "
         "per-layer remat (`nothing_saveable`). GSPMD: plain `jax.jit` with `NamedSharding`s "
         "(`benchmarks/peer_gspmd.py`). amsp_jax: `Trainer` with each preset and the partitioner's plan.",
-        "- Bytes: per device and step, read by `amsp_jax.audit.measure` from each compiled program (ring "
-        f"convention; a collective whose group spans nodes counts as inter-node). {env['wire_note']}",
+        "- Bytes: per device and step, read by `amsp_jax.compiled.audit.measure` from each compiled program "
+        f"(ring convention; a collective whose group spans nodes counts as inter-node). {env['wire_note']}",
         "- Memory: per device, from the compiled program (arguments + outputs − donated + temporaries).",
         "- Step time: median of the timed steps; the ratio is over the anchor's median in the same rounds.",
         "",

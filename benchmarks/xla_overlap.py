@@ -8,10 +8,10 @@ process, and aborts on a flag it does not know), and tabulates the overlap audit
 
     JAX_PLATFORMS=cpu .venv/bin/python -m benchmarks.xla_overlap --model llama-7b --strategies zero3 mics
 
-A variant adds `XLA_FLAGS`, overrides the library's compile options (`amsp_jax.xla.gpu_options`) or
+A variant adds `XLA_FLAGS`, overrides the library's compile options (`amsp_jax.compiled.xla.gpu_options`) or
 passes `amsp-jax audit` flags (`--prefetch loop`). `--list-flags` also writes the GPU scheduling flags
 the installed XLA binaries name. Every variant compiles the way the library does, the second compile
-with a profile of instruction costs included (`amsp_jax.xla.compile_scheduled`: from jaxlib 0.11, or
+with a profile of instruction costs included (`amsp_jax.compiled.xla.compile_scheduled`: from jaxlib 0.11, or
 wherever a variant leaves out the analytical estimator). Nothing here is a GPU timing.
 """
 
@@ -110,7 +110,7 @@ def child(args: argparse.Namespace) -> int:
 
     # Before JAX loads: the audit checks that the host platform has the cluster's device count.
     cli.simulate_host_devices(["audit", *args.audit])
-    from amsp_jax import xla
+    from amsp_jax.compiled import xla
 
     overrides = json.loads(args.overrides)
     library_options = xla.gpu_options

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 import amsp_jax as aj
-from amsp_jax.distributed import simulate_cpu_devices
+from amsp_jax.run.distributed import simulate_cpu_devices
 
 VOCAB = 32
 SEQ = 16

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import amsp_jax as aj
-from amsp_jax.nnx import NnxModel
+from amsp_jax.layers.nnx import NnxModel
 
 VOCAB, WIDTH, HEADS, LAYERS, SEQ = 64, 32, 4, 4, 8
 

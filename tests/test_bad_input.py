@@ -31,15 +31,15 @@ import numpy as np
 import pytest
 
 import amsp_jax as aj
-import amsp_jax.data
-import amsp_jax.train
-from amsp_jax.checkpoint import Checkpointer
+import amsp_jax.run.data
+import amsp_jax.run.train
 from amsp_jax.cli import main
-from amsp_jax.commands.train import abandoned_orbax_read
+from amsp_jax.cli.train import abandoned_orbax_read
+from amsp_jax.core.space import StrategyError
 from amsp_jax.models.llama import LlamaConfig, ModelConfigError, make_loss_fn
-from amsp_jax.space import StrategyError
-from amsp_jax.step import TrainerError
-from amsp_jax.train import ConfigError, DivergedError, load_config, train
+from amsp_jax.run.checkpoint import Checkpointer
+from amsp_jax.run.train import ConfigError, DivergedError, load_config, train
+from amsp_jax.trainer import TrainerError
 from tests.helpers import TINY, optimizer
 from tests.train_helpers import (
     REPO,
@@ -462,8 +462,8 @@ def one_device_trainer(loss_fn: Callable[[Any, Any], jax.Array], model: Any) -> 
 @pytest.fixture(scope="module")
 def api(nan_run, corpus) -> Api:
     trainer, config = nan_run.result.trainer, nan_run.config
-    tokens = amsp_jax.data.load_corpus([str(corpus)]).train
-    batch = amsp_jax.data.train_batch(tokens, 0, config.global_batch, config.seq_len, [1])
+    tokens = amsp_jax.run.data.load_corpus([str(corpus)]).train
+    batch = amsp_jax.run.data.train_batch(tokens, 0, config.global_batch, config.seq_len, [1])
     first = Checkpointer(nan_run.run_dir / "checkpoints").restore(trainer, 6).state
     state, _ = trainer.step(first, batch)
     return Api(trainer, state, first, batch)
@@ -590,13 +590,13 @@ class NanRun:
     """Six steps on one device whose step 2 had a NaN loss; checkpoints at steps 3 and 6."""
 
     run_dir: Path
-    result: amsp_jax.train.TrainResult
-    config: amsp_jax.train.TrainConfig
+    result: amsp_jax.run.train.TrainResult
+    config: amsp_jax.run.train.TrainConfig
 
 
 def poisoned(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> None:
     """Make the loss NaN at `steps`: their batches get a token id -1, which the loss turns into NaN."""
-    draw = amsp_jax.data.train_batch
+    draw = amsp_jax.run.data.train_batch
 
     def train_batch(tokens, index, *args, **kwargs):
         batch = draw(tokens, index, *args, **kwargs)
@@ -610,11 +610,11 @@ def poisoned(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> None:
             loss(params, batch) + jnp.where(jnp.any(batch["inputs"] < 0), jnp.nan, 0.0)
         )
 
-    monkeypatch.setattr(amsp_jax.data, "train_batch", train_batch)
-    monkeypatch.setattr(amsp_jax.train, "make_loss_fn", loss_fn)
+    monkeypatch.setattr(amsp_jax.run.data, "train_batch", train_batch)
+    monkeypatch.setattr(amsp_jax.run.train, "make_loss_fn", loss_fn)
 
 
-def one_device_config(corpus: Path, run_dir: Path, **changes: object) -> amsp_jax.train.TrainConfig:
+def one_device_config(corpus: Path, run_dir: Path, **changes: object) -> amsp_jax.run.train.TrainConfig:
     return small_run_config(corpus, run_dir, cluster="1x1", **changes)
 
 
@@ -677,7 +677,7 @@ def test_the_command_reports_a_stopped_run_in_one_line(monkeypatch, capsys, corp
     def diverge(config, *args, **kwargs):
         raise DivergedError("the loss or gradient norm was not finite for 5 steps in a row")
 
-    monkeypatch.setattr(amsp_jax.train, "train", diverge)
+    monkeypatch.setattr(amsp_jax.run.train, "train", diverge)
     argv = [a.format(dir=tmp_path, corpus=corpus) for a in TRAIN]
     assert main(argv) == 1
     err = capsys.readouterr().err

@@ -17,8 +17,8 @@ import optax
 import pytest
 
 import amsp_jax as aj
-from amsp_jax.checkpoint import Checkpointer, CheckpointError
-from amsp_jax.train import train
+from amsp_jax.run.checkpoint import Checkpointer, CheckpointError
+from amsp_jax.run.train import train
 from tests.train_helpers import (
     REPO,
     child_env,

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from amsp_jax import data
+from amsp_jax.run import data
 
 
 def test_stdlib_corpus_is_byte_text_split_by_file():

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import amsp_jax as aj
-from amsp_jax.checkpoint import CheckpointError, params_metadata
-from amsp_jax.commands import export as export_command
+from amsp_jax.cli import export as export_command
 from amsp_jax.models.llama import Llama, LlamaConfig
-from amsp_jax.train import ConfigError, setup, train
+from amsp_jax.run.checkpoint import CheckpointError, params_metadata
+from amsp_jax.run.train import ConfigError, setup, train
 from tests.train_helpers import (
     REPO,
     TINY_MODEL,

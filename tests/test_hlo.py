@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from amsp_jax.hlo import (
+from amsp_jax.compiled.hlo import (
     Collective,
     bytes_per_device,
     crosses,

@@ -10,9 +10,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from amsp_jax import distributed
-from amsp_jax.checkpoint import Checkpointer
-from amsp_jax.train import train
+from amsp_jax.run import distributed
+from amsp_jax.run.checkpoint import Checkpointer
+from amsp_jax.run.train import train
 from tests.helpers import max_relative_error
 from tests.train_helpers import (
     REPO,

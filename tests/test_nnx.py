@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 
 import amsp_jax as aj
+from amsp_jax.layers.nnx import NnxModel
 from amsp_jax.models.llama import cross_entropy
-from amsp_jax.nnx import NnxModel
-from amsp_jax.train import describe_plan
+from amsp_jax.run.train import describe_plan
 from tests.helpers import batches, max_relative_error, optimizer
 from tests.train_helpers import REPO
 

@@ -17,10 +17,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import amsp_jax as aj
-from amsp_jax import audit, cost, optim_state, optimizer_cost
-from amsp_jax.checkpoint import Checkpointer
+from amsp_jax.compiled import audit
+from amsp_jax.core import optim_state
+from amsp_jax.core.schedule import UPDATE
+from amsp_jax.cost import model as cost
+from amsp_jax.cost import optimizer as optimizer_cost
 from amsp_jax.models.llama import Llama, make_loss_fn, muon_dimension_numbers
-from amsp_jax.schedule import UPDATE
+from amsp_jax.run.checkpoint import Checkpointer
 from tests.helpers import CLUSTER, TINY, max_relative_error, train_data
 from tests.train_helpers import child_env
 

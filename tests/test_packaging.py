@@ -1,6 +1,6 @@
 """The configs ship with the package: a built wheel holds them and `amsp-jax plan` runs from anywhere.
 
-Config arguments take a file path or the name of a shipped config (`amsp_jax.config_files`).
+Config arguments take a file path or the name of a shipped config (`amsp_jax.core.config_files`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from amsp_jax import cluster_config, config_files, gpu_target, partitioner
+from amsp_jax.compiled import gpu_target
+from amsp_jax.core import config_files
+from amsp_jax.cost import hardware as cluster_config
 from amsp_jax.models.llama import ModelConfigError
-from amsp_jax.train import ConfigError, load_config
+from amsp_jax.planner import partitioner
+from amsp_jax.run.train import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "amsp_jax" / "configs"
@@ -112,7 +115,7 @@ def test_the_wheel_ships_the_configs_and_plan_runs_from_any_directory(tmp_path):
     empty.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
     env.update(PYTHONPATH=str(site), JAX_PLATFORMS="cpu")
-    code = "import amsp_jax.config_files as c; print(c.__file__); print(c.find('models', 'llama-7b'))"
+    code = "import amsp_jax.core.config_files as c; print(c.__file__); print(c.find('models', 'llama-7b'))"
     where = subprocess.run([sys.executable, "-c", code], cwd=empty, env=env, capture_output=True, text=True)
     assert where.returncode == 0, where.stderr[-3000:]
     module, model = where.stdout.split()

@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from amsp_jax import partitioner as pt
-from amsp_jax.cluster_config import PASS_BLOCKS, from_dict
+from amsp_jax.core.mesh import leaf_layout, plan_axes
+from amsp_jax.core.space import Cluster, Strategy, StrategyError, resolve
+from amsp_jax.cost.hardware import PASS_BLOCKS, from_dict
 from amsp_jax.models.llama import LlamaConfig
-from amsp_jax.sharding import leaf_layout, plan_axes
-from amsp_jax.space import Cluster, Strategy, StrategyError, resolve
+from amsp_jax.planner import partitioner as pt
 
 CASES = 50
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from amsp_jax import audit
+from amsp_jax.compiled import audit
 from amsp_jax.models.llama import Llama, make_loss_fn
 from benchmarks.peer_gspmd import CLAIM_PAIRS, build_gspmd_step, claim_violations, make_mesh, measure_peer
 from tests.helpers import CLUSTER, TINY, max_relative_error, optimizer, reference, train_data, trained

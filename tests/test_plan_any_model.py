@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 import amsp_jax as aj
-from amsp_jax import audit, cost, workload
-from amsp_jax.cluster_config import load as load_cluster
+from amsp_jax.compiled import audit
+from amsp_jax.cost import model as cost
+from amsp_jax.cost import workload
+from amsp_jax.cost.hardware import load as load_cluster
 from tests import model_zoo
 from tests.helpers import optimizer
 from tests.test_any_model import CLUSTER, data, loss_of, set_up

@@ -12,11 +12,12 @@ import pytest
 import yaml
 
 import amsp_jax as aj
-from amsp_jax import audit, cost, timing
-from amsp_jax.cli import main
-from amsp_jax.cluster_config import FLAT, KINDS, LEVELS, MATMUL_DTYPES, ClusterConfigError, from_dict, load
-from amsp_jax.commands import probe
-from amsp_jax.commands.profile import PASS_SIZES
+from amsp_jax.cli import main, probe
+from amsp_jax.cli.profile import PASS_SIZES
+from amsp_jax.compiled import audit
+from amsp_jax.cost import model as cost
+from amsp_jax.cost import timing
+from amsp_jax.cost.hardware import FLAT, KINDS, LEVELS, MATMUL_DTYPES, ClusterConfigError, from_dict, load
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from tests.train_helpers import REPO, child_env
 
@@ -247,7 +248,7 @@ def test_probe_fit_scales_the_priced_compute_by_what_the_probes_ran():
 
 def test_profile_writes_the_matmul_rates_the_probe_steps_ran_at(tmp_path, monkeypatch):
     # The sweep's rates, divided by the probe fit's compute scale, are what the written config prices.
-    from amsp_jax.commands import profile
+    from amsp_jax.cli import profile
 
     swept = {dtype: {128: [(2, 1e9), (64, 4e9)], 512: [(2, 2e9), (64, 8e9)]} for dtype in MATMUL_DTYPES}
     measured = (8e9, 1e9, swept, [(2**20, 1e9)])  # peak, bandwidth, matmul rates, memory passes

@@ -12,9 +12,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import amsp_jax as aj
-from amsp_jax import step as step_module
+from amsp_jax import trainer as step_module
+from amsp_jax.core.schedule import MIN_PREFETCH_LAYERS
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
-from amsp_jax.schedule import MIN_PREFETCH_LAYERS
 from tests.helpers import (
     CLUSTER,
     STEPS,

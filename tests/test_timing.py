@@ -13,8 +13,12 @@ import pytest
 import yaml
 
 import amsp_jax as aj
-from amsp_jax import audit, cost, hlo, timing
-from amsp_jax.cluster_config import (
+from amsp_jax.compiled import audit, hlo
+from amsp_jax.core.mesh import plan_axes
+from amsp_jax.core.space import Cluster, Strategy
+from amsp_jax.cost import model as cost
+from amsp_jax.cost import timing
+from amsp_jax.cost.hardware import (
     KINDS,
     LEVELS,
     PASS_BLOCKS,
@@ -25,10 +29,8 @@ from amsp_jax.cluster_config import (
     load,
     parse_size,
 )
-from amsp_jax.cost import llama_workload, predict
+from amsp_jax.cost.model import llama_workload, predict
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
-from amsp_jax.sharding import plan_axes
-from amsp_jax.space import Cluster, Strategy
 
 MODEL = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176)
 CLUSTER = Cluster(2, 4)
@@ -406,7 +408,7 @@ def test_an_untied_input_embedding_is_looked_up_not_multiplied():
 
 @pytest.mark.parametrize("style", ["loop", "scan", "stack", "nnx list", "nnx scan"])
 def test_a_traced_models_token_embedding_is_its_only_looked_up_leaf(style):
-    from amsp_jax import workload
+    from amsp_jax.cost import workload
     from tests import model_zoo
 
     spec = workload.trace(model_zoo.model(style), (np.zeros((2, 8), np.int32),))
@@ -417,7 +419,7 @@ def test_a_traced_models_token_embedding_is_its_only_looked_up_leaf(style):
 def test_a_weight_picked_at_fixed_rows_is_not_looked_up():
     from flax import linen as nn
 
-    from amsp_jax.layers import looked_up_leaves
+    from amsp_jax.layers.stack import looked_up_leaves
 
     class Loop(nn.Module):
         @nn.compact

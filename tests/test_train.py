@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from amsp_jax.checkpoint import Checkpointer
-from amsp_jax.train import load_config, train
+from amsp_jax.run.checkpoint import Checkpointer
+from amsp_jax.run.train import load_config, train
 from tests.train_helpers import (
     REPO,
     metric_losses,

@@ -15,11 +15,13 @@ import optax
 import pytest
 
 import amsp_jax as aj
-from amsp_jax import audit, config_files, cost, optim_state
-from amsp_jax.checkpoint import Checkpointer, load_params
+from amsp_jax.compiled import audit
+from amsp_jax.core import config_files, optim_state
+from amsp_jax.core.mesh import leaf_layout, plan_axes
+from amsp_jax.core.space import COMPONENTS
+from amsp_jax.cost import model as cost
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
-from amsp_jax.sharding import leaf_layout, plan_axes
-from amsp_jax.space import COMPONENTS
+from amsp_jax.run.checkpoint import Checkpointer, load_params
 from tests.helpers import CLUSTER, batches, max_relative_error, optimizer, reference
 
 ODD = LlamaConfig(vocab_size=61, dim=52, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=78, max_seq_len=16)

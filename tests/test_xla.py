@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amsp_jax import xla
-from amsp_jax.cluster_config import for_device_kind
+from amsp_jax.compiled import xla
+from amsp_jax.cost.hardware import for_device_kind
 
 
 def _lowered():

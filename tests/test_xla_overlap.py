@@ -2,7 +2,7 @@
 
 import pytest
 
-from amsp_jax import gpu_target
+from amsp_jax.compiled import gpu_target
 from benchmarks import xla_overlap
 
 try:

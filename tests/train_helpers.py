@@ -26,9 +26,9 @@ import orbax.checkpoint._src.path.atomicity as atomicity
 import yaml
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
-from amsp_jax.commands import train as train_command_module
-from amsp_jax.data import stdlib_files
-from amsp_jax.train import TrainConfig, train
+from amsp_jax.cli import train as train_command_module
+from amsp_jax.run.data import stdlib_files
+from amsp_jax.run.train import TrainConfig, train
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = str(REPO / "configs" / "models" / "tiny.yaml")
@@ -135,7 +135,7 @@ def child_env(devices: int | None) -> dict[str, str]:
 
 def train_command(*args: str) -> list[str]:
     """`amsp-jax train ARGS` as a child process command line."""
-    return [sys.executable, "-m", "amsp_jax.commands.train", *args]
+    return [sys.executable, "-m", "amsp_jax.cli.train", *args]
 
 
 def metric_losses(run_dir: Path) -> dict[int, float]:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import yaml
 
 from amsp_jax.errors import AmspError, check_field_types, one_line
-from amsp_jax.layers import LayerStack
+from amsp_jax.layers.stack import LayerStack
 from amsp_jax.models import attention as attention_lib
 
 

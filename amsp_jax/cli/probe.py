@@ -1,0 +1,245 @@
+"""Memory passes of the step, measured on probe models: what `amsp-jax profile` adds for the time model.
+
+A step's memory-bound kernels (casts, gradient sinks, the optimizer update, the copies around
+collectives) read and write each state block a number of times that depends on the backend's
+fusion, not on the model. The profile compiles the real step for four probe LLaMA shapes under
+several placements, reads the bytes those kernels touch from each compiled program
+(`amsp_jax.compiled.hlo.memory_traffic`), and solves for the bytes per byte of each block: the stored P
+block, the G block, the fp32 master, all parameters (the gathered weights and full-size gradients
+every placement handles) and the activations. Timing the same steps, in rounds over all of them,
+then gives the bandwidth those kernels reach while the step runs (each block at its size's speed,
+`ClusterConfig.pass_speed`), a fixed cost per step (dispatch, the loss reduction), what a P stored
+apart from the master costs and what a split collective's rounded intermediate results cost (zero3
+is timed flat and split), once collectives are priced with the tables just measured; the fit weighs
+each probe by its relative error. Compute is priced with the matmul rates just measured too, times one
+factor the fit finds (`Passes.compute_scale`): the sweep times bare matmuls minutes before the probes
+run, and on the development VM how long the steps' matmuls took against the sweep's rates moved from
+run to run (0.99x and 1.49x in two profiles of one evening); taken as exact, that error landed in the
+pass bandwidth (1.59 and 2.29 GB/s), and with the factor fitted beside it the bandwidth came out at
+2.22 and 2.26 GB/s. The profile writes the sweep's rates divided by the factor: what the steps ran at.
+
+The update's passes belong to the optimizer as much as to the backend: the probes run the
+examples' AdamW chain (global-norm clipping, then AdamW), fp32 master and moments, bf16 compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from amsp_jax.cost.hardware import PASS_BLOCKS as BLOCKS
+
+# (placement, split collectives): every placement flat, and zero3 split too, so the fit sees what a split
+# costs beyond its bytes (`SPLIT_RESULTS`).
+PROBE_PLACEMENTS = (
+    *((name, False) for name in ("ddp", "zero1", "zero2", "zero3", "mics")),
+    ("p=1x1,g=4x1,os=4x1", False),
+    ("p=2x1,g=4x2,os=4x2", False),
+    ("zero3", True),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """One compiled probe step: its state blocks (bytes per device), traffic and timing."""
+
+    label: str
+    blocks: tuple[float, ...]  # bytes per device of each block, in BLOCKS order
+    traffic: int
+    predicted_other_s: float  # compute and collectives by the time model, the rounding passes left out
+    measured_s: float
+    rounded: float = 0.0  # bytes of split collectives' rounded results, at scale (`cost.rounded_bytes`)
+    twin: str = ""  # a split probe's flat form, by label
+    compute_s: float = 0.0  # the compute in `predicted_other_s` (0: not told apart, taken as exact)
+
+
+def _probe_models() -> list[tuple[Any, int]]:
+    from amsp_jax.models.llama import LlamaConfig
+
+    # Shapes with different tokens per parameter, so the activation and parameter terms separate, and
+    # one small enough that a step's fixed cost is a good share of it, so the fit can see that cost.
+    return [
+        (LlamaConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=688,
+                     max_seq_len=128, name="probe-a"), 128),
+        (LlamaConfig(vocab_size=4096, dim=320, n_layers=3, n_heads=5, n_kv_heads=5, ffn_dim=864,
+                     max_seq_len=32, name="probe-b"), 16),
+        (LlamaConfig(vocab_size=512, dim=96, n_layers=3, n_heads=3, n_kv_heads=1, ffn_dim=256,
+                     max_seq_len=32, name="probe-c"), 32),
+        # One whose stored weights outgrow the host's cache (18M parameters), where a stored P costs
+        # time its bytes do not show (`stored_params`); the three above run zero2 level with zero3.
+        (LlamaConfig(vocab_size=6144, dim=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=1376,
+                     max_seq_len=16, name="probe-d"), 16),
+    ]  # fmt: skip
+
+
+def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Probe]:
+    """Compile and read every probe step on this host's devices, then time them all in `repeats` rounds
+    (each round: every probe, one untimed step and two timed), so a slow spell of the machine falls on
+    all of them alike; a probe's time is its median step."""
+    import jax
+    import optax
+
+    import amsp_jax as aj
+    from amsp_jax.compiled import audit, hlo
+    from amsp_jax.cost import model as cost
+    from amsp_jax.cost import timing
+    from amsp_jax.models.llama import Llama, make_loss_fn
+
+    cluster = cluster_config.cluster()
+    compiled = []
+    for config, seq_len in _probe_models():
+        model = Llama(config)
+        tokens = np.random.default_rng(0).integers(0, config.vocab_size, (cluster.num_devices, seq_len + 1))
+        batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
+        for name, split in PROBE_PLACEMENTS:
+            if split and cluster.nodes == 1:
+                continue  # nothing to split
+            try:
+                strategy = aj.resolve(name, cluster)
+            except ValueError:
+                continue  # a preset this mesh cannot hold (e.g. one device)
+            plan = aj.Plan(cluster, strategy, 1, precision="mixed", remat="full", hierarchical=split,
+                           prefetch=False)  # fmt: skip
+            optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=0.1))
+            trainer = aj.Trainer(plan, model, optimizer, make_loss_fn(model))
+            trainer.setup(jax.random.key(0), batch["inputs"])
+            sharded = trainer.shard_batch(batch)
+            abstract = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), sharded
+            )
+            step = trainer.compile(trainer.abstract_state(), abstract)
+            workload = audit.workload_of(trainer, batch, cost.llama_dims(config))
+            estimate = timing.estimate(trainer.layout, workload, cluster_config)
+            transfers = [t for group in timing.traffic(trainer.layout, workload).values() for t in group]
+            rounding = sum(timing.rounding_time(t, cluster_config) for t in transfers)
+            rounded = sum(timing.rounded_at_scale(t, cluster_config) for t in transfers)
+            label = f"{config.name} {name}"
+            compiled.append({
+                "label": f"{label} split" if split else label,
+                "twin": label if split else "",
+                "blocks": tuple(timing.pass_blocks(estimate.prediction.memory, workload)[b] for b in BLOCKS),
+                # The rounding passes are priced apart (`rounded`): the blocks' counts leave them out.
+                "traffic": hlo.memory_traffic(step.as_text()) - 2 * sum(t.rounded for t in transfers),
+                "other": estimate.time.compute_s + sum(estimate.time.exposed_s.values()) - rounding,
+                "compute": estimate.time.compute_s,
+                "rounded": rounded,
+                "step": step, "sharded": sharded, "state": trainer.init(jax.random.key(0), batch["inputs"]),
+                "times": [],
+            })  # fmt: skip
+    say(f"  compiled {len(compiled)} probe steps; timing them in {max(2, repeats)} rounds")
+    for _ in range(max(2, repeats)):
+        for probe in compiled:
+            for timed in (False, True, True):
+                start = time.perf_counter()
+                probe["state"], metrics = probe["step"](probe["state"], probe["sharded"])
+                jax.block_until_ready((probe["state"], metrics))
+                if timed:
+                    probe["times"].append(time.perf_counter() - start)
+    probes = []
+    for found in compiled:
+        probes.append(Probe(found["label"], found["blocks"], found["traffic"], found["other"],
+                            statistics.median(found["times"]), found["rounded"], found["twin"],
+                            found["compute"]))  # fmt: skip
+        say(f"  probe {found['label']}: {found['traffic'] / 1e6:.0f} MB of memory passes, "
+            f"{probes[-1].measured_s * 1e3:.0f} ms per step")  # fmt: skip
+    return probes
+
+
+@dataclasses.dataclass(frozen=True)
+class Passes:
+    """Bytes touched per byte of each block, the bandwidth those passes reach, a fixed cost per step."""
+
+    per_byte: dict[str, float]
+    bandwidth: float
+    step_overhead_s: float
+    traffic_error: float  # largest |predicted / compiled − 1| of the probes' traffic
+    stored_params: float = 0.0  # bytes per fp32 parameter byte a stored P adds (`STORED_PARAMS`)
+    split_results: float = 2.0  # bytes per byte of a split's rounded results (`SPLIT_RESULTS`)
+    compute_scale: float = 1.0  # the probe steps' compute over what the time model priced it at
+
+
+def fit(probes: list[Probe], speed: Callable[[float], float] = lambda nbytes: 1.0) -> Passes:
+    """Least-squares pass counts from the compiled traffic, then bandwidth, overhead and the scale of
+    the priced compute (where the probes tell it apart) from the times; `speed(nbytes)`: how much
+    faster a pass over a block of that size runs than one at scale (`ClusterConfig.pass_speed`). A
+    split probe (`twin`: its flat form's label) enters only the split's price: what it ran beyond its
+    twin, per byte of its rounded results."""
+    flat = [p for p in probes if not p.twin]
+    blocks = np.array([p.blocks for p in flat])
+    traffic = np.array([p.traffic for p in flat], dtype=float)
+    # Nonnegative by construction: a block the fit would give a negative count gets none, and the rest refit.
+    active = list(range(len(BLOCKS)))
+    while True:
+        counts, *_ = np.linalg.lstsq(blocks[:, active], traffic, rcond=None)
+        if (counts >= 0).all():
+            break
+        active.pop(int(np.argmin(counts)))
+    per_byte = dict.fromkeys(BLOCKS, 0.0)
+    for i, c in zip(active, counts, strict=True):
+        per_byte[BLOCKS[i]] = float(c)
+    touched = blocks * np.array([per_byte[b] for b in BLOCKS])
+    modelled = touched.sum(axis=1)
+    # The bytes the passes would touch at scale (a small block's run faster): what the times fit.
+    at_scale = (touched / np.vectorize(speed)(blocks)).sum(axis=1)
+    compute = np.array([p.compute_s for p in flat])
+    # What the probes ran beyond their priced collectives; where `compute_s` does not tell the compute
+    # apart (zero), beyond their priced compute too.
+    rest = np.array([p.measured_s - p.predicted_other_s for p in flat]) + compute
+    # Relative errors count: unweighted, the slowest probes' noise would set the fixed cost, which is
+    # most of what the smallest steps have left.
+    weight = 1 / np.array([p.measured_s for p in flat])
+    # A probe with a P block stores P apart from the master: all its parameters, in fp32 bytes at scale,
+    # are what that costs beyond the block's own passes (`STORED_PARAMS`).
+    model = blocks[:, BLOCKS.index("model")]
+    stored = (blocks[:, BLOCKS.index("params")] > 0) * model / np.vectorize(speed)(model)
+    # Columns: fixed cost, passes, stored P, compute. A step has no negative fixed cost and a stored P
+    # no negative one: a column the fit would give a negative coefficient is dropped and the rest refit
+    # (keeping the free fit's slope with the intercept dropped would price every step too high by it).
+    columns = [weight, weight * at_scale, weight * stored, weight * compute]
+    # Only probes with and without a stored P tell its cost from the passes'.
+    active = [0, 1, 2] if stored.any() and not stored.all() else [0, 1]
+    if compute.any():
+        active.append(3)
+    while True:
+        found, *_ = np.linalg.lstsq(np.stack([columns[i] for i in active], axis=1), weight * rest, rcond=None)
+        negative = [i for i, c in zip(active, found, strict=True) if c < 0 and i in (0, 2)]
+        if not negative:
+            break
+        active.remove(negative[0])
+    coefficient = dict.fromkeys(range(3), 0.0) | {3: 1.0} | dict(zip(active, map(float, found), strict=True))
+    overhead, seconds_per_byte = coefficient[0], coefficient[1]
+    if seconds_per_byte <= 0 or coefficient[3] <= 0:
+        grows = "memory passes" if seconds_per_byte <= 0 else "compute"
+        raise SystemExit(
+            f"amsp-jax profile: the probe steps' times do not grow with their {grows} (a busy "
+            "machine?); run it again on an idle one, or with --no-passes"
+        )
+    return Passes(
+        per_byte,
+        float(1 / seconds_per_byte),
+        max(0.0, float(overhead)),
+        float(np.max(np.abs(modelled / traffic - 1))),
+        coefficient[2] / seconds_per_byte,
+        2.0 if (split := split_cost(probes)) is None else split / seconds_per_byte,
+        coefficient[3],
+    )
+
+
+def split_cost(probes: list[Probe]) -> float | None:
+    """Seconds per byte at scale of a split's rounded results, beyond its priced collectives: each
+    split probe's time over its flat twin's, less what the tables price between the two, fitted
+    through zero (relative errors weighted), never below zero; None where no pair was timed."""
+    by_label = {p.label: p for p in probes}
+    pairs = [(p, by_label[p.twin]) for p in probes if p.twin in by_label and p.rounded > 0]
+    if not pairs:
+        return None
+    weight = np.array([1 / flat.measured_s for _, flat in pairs])
+    rest = lambda p: p.measured_s - p.predicted_other_s  # noqa: E731
+    extra = np.array([rest(split) - rest(flat) for split, flat in pairs])
+    rounded = np.array([split.rounded for split, _ in pairs])
+    return max(0.0, float(np.sum(weight**2 * extra * rounded) / np.sum((weight * rounded) ** 2)))

@@ -1,0 +1,269 @@
+"""XLA options that let the step's collectives overlap with compute on GPU (passed per compile).
+
+On GPU the latency-hiding scheduler moves each layer's all-gather ahead of the layer's compute and
+each reduce-scatter behind it; the collective pipeliner prefetches loop iteration i+1's gather into
+iteration i (that is the per-layer prefetch the step needs: it is done by XLA, not by carrying gathered
+weights through the scan, which would make them scan residuals and keep every layer gathered).
+Combine thresholds keep XLA from merging collectives that become ready at different times into one
+that waits for the last of them and can no longer overlap. The names follow MaxText's H100 settings.
+
+On CPU, simulated devices share one process, and XLA:CPU's runtime meets their collectives in a
+rendezvous keyed by run, devices, kind and op id. JAX gives every shard_map collective the same
+channel id, hence the same op id, so two collectives over one device group that a device has in
+flight at once share a key. Both of XLA:CPU's schedules let that happen for some programs: the
+concurrency-optimised one (the default) hung p=2x1,g=4x1,os=4x2 on 2 x 4 devices after a few hundred
+steps; with it off, zero3 of `amsp-jax profile`'s probe-b model crashed in its first steps (more
+participants than devices in one rendezvous). amsp_jax keeps XLA's default, which the tests compile.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from amsp_jax.compiled import hlo
+from amsp_jax.core.backend import combine_thresholds
+from amsp_jax.cost.hardware import ClusterConfig, for_device_kind
+
+if TYPE_CHECKING:
+    from amsp_jax.core.mesh import Layout
+
+_MIB = 1 << 20
+# A file where XLA keeps the GPU kernels it built, so that compiling many plans of one model (the audit
+# tests, benchmarks/gpu_compiled.py) builds each kernel once; kernels do not change the scheduled program.
+KERNEL_CACHE_ENV = "AMSP_JAX_GPU_KERNEL_CACHE"
+
+
+# XLA:GPU's scheduler and rematerialisation keep a program's temporaries under
+# (BASE × device memory − arguments and outputs) × slop factor / 100; the base leaves room for
+# allocations outside XLA's (gpu_hlo_schedule.cc, GetSchedulerMemoryLimit).
+XLA_SCHEDULER_BASE = 0.8
+# XLA's scheduler counts more than buffer assignment later allocates, and stops overlapping collectives
+# once its count reaches its budget; so it gets this much more than the plan's budget. Measured at
+# 1,024 A100s on the planner's choices, both planned at 73.3-73.5 GiB of a 73.6 GiB budget: LLaMA-65B
+# (P over a node) had 0.4 / 0.8 / 24 / 68 / 99 / 99 % of its per-layer collective bytes overlapped
+# with XLA budgets of 1.00 / 1.03 / 1.06 / 1.097 / 1.10 / 1.20 x the plan's (the step is that sharp),
+# compiling to 76.1-76.5 GiB; 30B (P over two devices) 28 % at 1.00, 99 % from 1.10 (75.5 GiB).
+SCHEDULER_HEADROOM = 1.2
+
+
+def scheduler_slop_factor(memory_limit: float, device_memory: int, io_bytes: int) -> int:
+    """XLA's `xla_gpu_memory_limit_slop_factor` (percent) that gives its scheduler `SCHEDULER_HEADROOM`
+    times `memory_limit` bytes for a program with `io_bytes` of arguments and outputs per device.
+
+    With XLA's default (95) a plan made for 92 % of an 80 GB A100 is scheduled as if it had 62 GiB:
+    LLaMA-30B with P over two devices at 1,024 A100s then overlapped 1 % of its per-layer collective
+    bytes with compute, 99 % with this factor (65B, P over a node: 0.4 % and 99 %), for 0.4-1 GiB more
+    compiled memory.
+    """
+    room = XLA_SCHEDULER_BASE * device_memory - io_bytes
+    budget = SCHEDULER_HEADROOM * memory_limit
+    return max(1, int(100 * (budget - io_bytes) / room)) if room > 0 else 100
+
+
+# XLA's analytical (GPU performance model) latencies for the scheduler instead of its fixed
+# approximations; where it aborts, a profile of instruction costs (`scheduling_profile`) instead.
+# Measured with jaxlib 0.10.2 on LLaMA-7B at 1,024 A100s before that profile existed
+# (benchmarks/results/gpu_compiled.md): the share of per-layer collective bytes with compute between
+# start and done rose from 66% to 85% for zero3 and from 64% to 92% for mics (zero2: 87% to 79%).
+# jaxlib 0.11.2 aborts the process in that estimator (a CHECK in CalculateLaunchDimensions on one of
+# the step's loop fusions, seen compiling LLaMA-1B on an H200), so it is asked for only before 0.11.
+# There the profile does its work: with it and XLA's one collective in flight, 0.11.2 hides 97.5 / 98.1
+# / 96.9 % of zero3's / MiCS's / zero2's per-layer bytes at 1,024 A100s, where two in flight (what the
+# library asked for before the profile) hid 96.2 / 97.1 / 96.9 % with it and 63.0 / 66.9 / 99.6 %
+# without it, for more memory (`benchmarks/results/xla_overlap.md`).
+ANALYTICAL_ESTIMATOR_BEFORE = (0, 11)
+
+
+# jaxlib 0.11 removed the collective pipeliner's options (it pipelines under effort level O1, below).
+PIPELINER_OPTIONS_BEFORE = (0, 11)
+
+
+def scheduler_options() -> dict[str, object]:
+    """The latency-hiding scheduler's and the collective pipeliner's options for this jaxlib: the
+    analytical estimator where it runs without aborting (elsewhere `compile_scheduled` gives the
+    scheduler a profile), the pipeliner's options where they exist."""
+    version = tuple(jax.__version_info__[:2])
+    options: dict[str, object] = {}
+    if version < ANALYTICAL_ESTIMATOR_BEFORE:
+        options["xla_gpu_enable_analytical_latency_estimator"] = True
+    if version < PIPELINER_OPTIONS_BEFORE:
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            options[f"xla_gpu_enable_pipelined_{kind}"] = True
+    return options
+
+
+# XLA's effort level O1 (`EFFORT_O1` of its `ExecutionOptions`; JAX's `jax_optimization_level`), passed
+# per compile. jaxlib 0.11 removed the `xla_gpu_enable_pipelined_*` options (they pipeline under O1
+# instead) and aborts in the analytical estimator (`Check failed: buffer != nullptr`, compiling LLaMA-7B
+# for 1,024 A100s on an H100 machine's jaxlib 0.11.2), so there the level is what overlaps the layer
+# loops' collectives: that step's per-layer collective bytes with compute between start and done went
+# from 32.9 % to 58.0 % (zero3) and to 66.9 % (MiCS), the 8-layer test model's split zero3 from 2.2 % to
+# 57.3 %. On jaxlib 0.10.2 it changes none of them (91.6 %, 98.7 %, 80.0 %).
+OPTIMIZATION_LEVEL_O1 = 19
+
+
+def gpu_options(layer_bytes: int = 0, slop_factor: int | None = None) -> dict[str, object]:
+    """The GPU compiler options; the gather and all-reduce combine thresholds are at least one layer
+    (`combine_thresholds`); `slop_factor` sets the scheduler's memory budget (`scheduler_slop_factor`)."""
+    thresholds = combine_thresholds("gpu", layer_bytes)
+    cache = os.environ.get(KERNEL_CACHE_ENV)
+    budget = _memory_budget(slop_factor)
+    return ({"xla_gpu_kernel_cache_file": cache} if cache else {}) | budget | {
+        "optimization_level": OPTIMIZATION_LEVEL_O1,
+        "xla_gpu_enable_latency_hiding_scheduler": True,
+        **scheduler_options(),
+        "xla_gpu_enable_highest_priority_async_stream": True,
+        "xla_gpu_enable_while_loop_double_buffering": True,
+        "xla_gpu_all_gather_combine_threshold_bytes": int(thresholds["all-gather"]),
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": int(thresholds["reduce-scatter"]),
+        "xla_gpu_all_reduce_combine_threshold_bytes": int(thresholds["all-reduce"]),
+    }
+
+
+def compiler_options(
+    platform: str, layer_bytes: int = 0, slop_factor: int | None = None, devices: int = 2
+) -> dict[str, object] | None:
+    """Options for `Lowered.compile` on `platform` over `devices` devices (None: XLA's defaults). One
+    device has no collective to overlap: it gets only the memory budget, which XLA's rematerialization
+    reads as well."""
+    if platform not in ("gpu", "cuda", "rocm"):
+        return None
+    if devices < 2:
+        return _memory_budget(slop_factor) or None
+    return gpu_options(layer_bytes, slop_factor)
+
+
+def _memory_budget(slop_factor: int | None) -> dict[str, object]:
+    """The option that sets XLA's scheduler memory budget (`scheduler_slop_factor`), if one is given."""
+    return {} if slop_factor is None else {"xla_gpu_memory_limit_slop_factor": slop_factor}
+
+
+# XLA renames and removes its options between releases and rejects a compile that names one it does not
+# know: jaxlib 0.11.2 on an H200 rejected `xla_gpu_enable_pipelined_all_gather`, `..._reduce_scatter` and
+# `..._all_reduce`, which 0.10.2 accepts, so every GPU step failed to compile there.
+_UNKNOWN_OPTION = re.compile(r"No such compile option: '([^']+)'")
+# Compile failures our options cause inside XLA, by a phrase of the error, and the options behind it, left
+# out one at a time in this order while the error stays. jaxlib 0.10.2, H100 target, a LLaMA of width 256
+# under zero2 with two micro-batches: while-loop double buffering clones a Triton gemm fusion after its
+# tiling was chosen, and the clone has none; effort level O1 double-buffers loops by itself.
+_FAILS_WITH = {
+    "Block level fusion config is required for Triton fusions": (
+        "xla_gpu_enable_while_loop_double_buffering", "optimization_level",
+    ),
+}
+
+
+def compile_lowered(lowered: Any, options: dict[str, object] | None) -> Any:
+    """`lowered.compile(options)`, leaving out (with a warning naming them) the options this XLA does not
+    know or fails to compile this program with."""
+    return _compile(lowered, options)[0]
+
+
+def _compile(lowered: Any, options: dict[str, object] | None) -> tuple[Any, dict[str, object]]:
+    """`compile_lowered`'s program and the options it was compiled with."""
+    options = dict(options or {})
+    dropped = []
+    while True:
+        try:
+            compiled = lowered.compile(options or None)
+        except jax.errors.JaxRuntimeError as error:
+            unknown = _UNKNOWN_OPTION.search(str(error))
+            culprit = unknown.group(1) if unknown else _culprit(str(error), options)
+            if culprit is None or culprit not in options:
+                raise
+            dropped.append(culprit)
+            del options[culprit]
+            continue
+        if dropped:
+            warnings.warn(
+                f"this XLA (jax {jax.__version__}) does not know, or fails to compile this step with, the "
+                f"compiler options {dropped}; compiled without them (the overlap they ask for may be on "
+                "by default, or less)",
+                stacklevel=3,
+            )
+        return compiled, options
+
+
+def _culprit(error: str, options: dict[str, object]) -> str | None:
+    """The next option of ours to leave out for an XLA compile failure we know (`_FAILS_WITH`), else None."""
+    for phrase, culprits in _FAILS_WITH.items():
+        if phrase in error:
+            return next((option for option in culprits if option in options), None)
+    return None
+
+
+# The debug option that hands XLA's latency-hiding scheduler a profile of instruction costs (its
+# profile-guided latency estimator, PGLE: costs by instruction name, in µs, for kernels and for the
+# time between an async collective's start and done).
+PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
+# What one more kernel costs beyond its work (assumption: a CUDA kernel launch, a few µs).
+KERNEL_LAUNCH_SECONDS = 2e-6
+
+
+def scheduling_profile(hlo_text: str, hardware: ClusterConfig, node_of_device: Sequence[int]) -> str:
+    """The text of a `ProfiledInstructionsProto` that prices every instruction of a compiled program with
+    the cost model's hardware (`hlo.instruction_seconds`): collectives at `hardware`'s bandwidth and
+    latency for their kind, group and nodes, kernels by a roofline at its sustained FLOP/s and HBM
+    bandwidth.
+
+    Without it, XLA:GPU's scheduler prices every collective alike and every kernel by its kind alone
+    (jaxlib 0.11, whose analytical estimator aborts on this step): a few elementwise kernels look long
+    enough to hide a layer's gather. Compiled with jaxlib 0.11.2 for LLaMA-7B at 1,024 A100s, the share
+    of per-layer collective bytes with compute between start and done went from 63.0 to 97.5 % (zero3)
+    and from 66.9 to 98.1 % (MiCS) with this profile (`benchmarks/results/xla_overlap.md`).
+    """
+
+    def collective_seconds(c: hlo.Collective) -> float:
+        groups = c.replica_groups or c.source_target_pairs
+        group = max((len(g) for g in groups), default=1)
+        nodes = max((len({node_of_device[d] for d in g}) for g in groups), default=1)
+        kind = c.kind if c.kind in ("all-gather", "reduce-scatter", "all-reduce") else "all-gather"
+        level = "inter" if nodes > 1 else "intra"
+        return hardware.collective_time(kind, level, hlo.bytes_per_device(c), 1, group, nodes)
+
+    seconds = hlo.instruction_seconds(
+        hlo_text,
+        len(node_of_device),
+        collective_seconds,
+        hardware.sustained_flops,
+        hardware.hbm_bandwidth,
+        KERNEL_LAUNCH_SECONDS,
+    )
+    return "".join(f'costs {{ name: "{name}" cost_us: {1e6 * s:.3f} }}\n' for name, s in seconds.items())
+
+
+def compile_scheduled(lowered: Any, options: dict[str, object] | None, layout: Layout) -> Any:
+    """`compile_lowered`, then, where the options schedule a GPU program without XLA's analytical estimator
+    (`scheduler_options`) and a shipped cluster config describes its GPU (`cluster_config.for_device_kind`),
+    once more with the first program's `scheduling_profile` (the second compile repeats its instruction
+    names: the same passes run on the same program up to the scheduler).
+
+    Where the analytical estimator runs (jaxlib 0.10) it stays alone: with the profile as well, 0.10.2
+    hid more of LLaMA-7B zero3's per-layer bytes at 1,024 A100s (98.0 against 91.6 %) but left two
+    looped collectives of the 8-layer test model without compute (a split gather's inter-node stage, and
+    with micro-batches a kept first layer's reduce-scatter), which the estimator alone hides.
+    """
+    # The second compile starts from the options the first kept: no failed compile or warning twice.
+    compiled, options = _compile(lowered, options)
+    if not options.get("xla_gpu_enable_latency_hiding_scheduler") or options.get(
+        "xla_gpu_enable_analytical_latency_estimator"
+    ):
+        return compiled
+    cluster = layout.cluster
+    kind = layout.mesh.devices.flat[0].device_kind
+    hardware = for_device_kind(kind, cluster.nodes, cluster.devices_per_node)
+    if hardware is None:
+        return compiled
+    profile = scheduling_profile(compiled.as_text(), hardware, layout.node_of_device())
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder, "profile.pbtxt")
+        path.write_text(profile)
+        return compile_lowered(lowered, {**options, PROFILE_OPTION: str(path)})

@@ -1,0 +1,501 @@
+"""The step's operations per leaf: the one place where the step's rules live.
+
+A `Schedule` lists, for every parameter leaf, each collective the step issues: its kind, the mesh
+axes of the group, the dimension it splits or joins, the element count and dtype of its input on one
+device, how many times it runs per step and in which phase. `amsp_jax.trainer` executes these ops
+(through `amsp_jax.step.collectives.execute`), `amsp_jax.cost.model` counts their bytes and memory,
+`amsp_jax.cost.timing` prices them, and `amsp_jax.compiled.audit` checks the compiled program against
+them. The rules that decide what runs are here and nowhere else:
+
+  - `uses_prefetch`: whether a layer stack runs the explicit-prefetch loop or the checkpointed scan,
+    and whether a loop of blocks chains its gathers one block ahead;
+  - `accumulates`: whether the step keeps an fp32 gradient accumulator (only with several
+    micro-batches), and `grad_dtype`: G held in the reduce dtype without one;
+  - `keeps_first_layer`: whether a layer stack's first layer is gathered once per step and its
+    gradient summed over the micro-batches before one reduce-scatter (`Implementation`);
+  - `params_from_master`: whether P is stored or cast from the master block where it is used;
+  - how a collective over axes that span nodes is issued (`Implementation.hierarchical`): split into
+    runs of intra- and inter-node axes (a reduce-scatter intra first, an all-gather inter first, an
+    all-reduce as reduce-scatter / all-reduce / all-gather), or flat over the whole group;
+  - the G→OS reduction and the P refresh, by how the groups of G, OS and P nest;
+  - how often each phase runs (per layer and micro-batch, once per step, hoisted out of the
+    micro-batch loop) and the bytes a device sends in each op (ring convention);
+  - `launches`: how many collectives XLA issues for the ops, merging those that run together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+from amsp_jax.core.backend import combine_thresholds
+from amsp_jax.core.mesh import AxisPlan, LeafLayout, leaf_layout
+from amsp_jax.core.space import Strategy
+
+FORWARD_GATHER = "P gather, layers (forward)"
+BACKWARD_GATHER = "P re-gather, layers (backward)"
+OTHER_GATHER = "P gather, other leaves (once per step)"
+GRAD_REDUCE = "G reduce-scatter (per micro-batch)"
+REDUCTION = "G to OS reduction (once per step)"
+REFRESH = "P refresh (once per step)"
+# Not issued by the step: what XLA inserts into the optimizer's update (`amsp_jax.cost.optimizer`).
+UPDATE = "optimizer update (once per step)"
+PHASES = (FORWARD_GATHER, BACKWARD_GATHER, OTHER_GATHER, GRAD_REDUCE, REDUCTION, REFRESH, UPDATE)
+
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all-gather", "reduce-scatter", "all-reduce"
+COLLECTIVE_PERMUTE = "collective-permute"  # only XLA's, in the optimizer's update
+
+# XLA unrolls one- and two-trip loops and then merges the forward and backward gathers of a peeled
+# layer (keeping it gathered), so short stacks stay on the checkpointed scan.
+MIN_PREFETCH_LAYERS = 4
+
+
+def uses_prefetch(
+    micro_batches: int, remat: str, layers: int, prefetch: bool | None = None, stack: bool = True
+) -> bool:
+    """Whether `layers` layers gather one layer ahead: a `LayerStack` runs the explicit-prefetch loop
+    (else the checkpointed scan), a loop of blocks chains each block's gather to the previous block.
+
+    A stack runs the checkpointed scan unless `prefetch=True` asks for the loop: compiled for 1,024
+    A100s, every LLaMA-7B and 13B preset held as much or less memory on the scan (0.3-1.8 GiB less
+    where P is sharded) with as much of its per-layer traffic overlapped, since XLA's collective
+    pipeliner moves the next layer's gather ahead of the current one's compute. A loop of blocks
+    has no such pipeliner (its calls are straight-line code), so it chains by default. Either needs
+    one micro-batch and full remat: inside a micro-batch loop XLA hoists the first, loop-invariant
+    gathers out of it (and may merge them with the backward ones), and the loop recomputes every
+    layer. `prefetch=False` turns both off (on a backend that cannot overlap they only add work).
+    """
+    if prefetch is False or (stack and prefetch is not True):
+        return False
+    return remat == "full" and micro_batches == 1 and layers >= MIN_PREFETCH_LAYERS
+
+
+def accumulates(micro_batches: int) -> bool:
+    """Whether the step keeps an fp32 G accumulator: with one micro-batch the gradient is the sum."""
+    return micro_batches > 1
+
+
+def grad_dtype(micro_batches: int, reduce_dtype: str) -> str:
+    """The dtype of the G block a device holds: fp32 when micro-batches accumulate into it; with one
+    micro-batch the gradient reduce-scatter's output is the gradient, kept in its own (e.g. bf16) dtype,
+    which halves G's memory and loses nothing (a wider copy of a bf16 sum holds no more)."""
+    return "float32" if accumulates(micro_batches) else reduce_dtype
+
+
+def keeps_first_layer(micro_batches: int, layers: int, implementation: Implementation) -> bool:
+    """Whether a `LayerStack` of `layers` layers keeps its first layer gathered across the micro-batches.
+
+    A micro-batch's layer loop starts with the first layer's gather and ends with its gradient's
+    reduce-scatter, and nothing runs beside either: XLA's collective pipeliner peels them out of the
+    layer loop, to where the micro-batch starts and ends (compiled for 16 H100s, M = 4: they were the
+    only looped collectives with no gemm between start and done). Kept, the first layer is gathered
+    once per step with the leaves outside the layers, runs outside the loop on those weights, and its
+    gradient is summed in fp32 over the micro-batches and reduce-scattered once after them; the loop
+    then starts and ends beside the first layer's compute. It costs the gathered layer and an fp32
+    copy of it for the whole step (`amsp_jax.cost.model.memory`), so it is a choice, off by default.
+    """
+    return implementation.keep_first_layer and micro_batches > 1 and layers > 1
+
+
+def params_from_master(strategy: Strategy) -> bool:
+    """Whether P is cast from the master where the step uses it instead of being stored: where P and OS
+    have one placement (so one set of mesh axes), a device's P block is its master block in the compute
+    dtype, and a stored copy would only repeat it (2 bytes per parameter and device in mixed precision,
+    4 in fp32)."""
+    return strategy.params == strategy.opt_state
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """How the step issues its collectives; the planner may choose these."""
+
+    hierarchical: bool = True
+    prefetch: bool | None = None
+    keep_first_layer: bool = False  # `keeps_first_layer`
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One collective as the step issues it, on one device.
+
+    `elements` counts this device's input (for an all-gather: its block; for a reduce-scatter or an
+    all-reduce: the full buffer). `dim` is the tensor dimension split or joined: of one layer's tensor
+    in the per-layer phases of a layer stack, of the whole leaf in the once-per-step reduction and
+    refresh; None means the op runs on the flattened buffer (the hierarchical all-reduce). `unit`: the
+    layer group (a stack's or a block's path) whose layers the op runs with, for the per-layer ops;
+    None for ops that run with every leaf of their phase (`launches` merges by it). `feeds`: its result
+    is the next collective's input, a stage of a chain (a split collective, or a leaf split over two
+    dimensions), not a value the step uses.
+    """
+
+    phase: str
+    kind: str
+    axes: tuple[str, ...]
+    group: int
+    nodes: int
+    level: str
+    dim: int | None
+    elements: int
+    itemsize: int
+    executions: int
+    unit: tuple[str, ...] | None = None
+    feeds: bool = False
+
+    def bytes_sent(self, min_itemsize: int = 1) -> int:
+        """Bytes this device sends in one execution (nccl-tests ring convention)."""
+        size = self.elements * max(self.itemsize, min_itemsize)
+        if self.kind == COLLECTIVE_PERMUTE:  # one buffer to one other device
+            return size
+        if self.kind == ALL_GATHER:
+            return (self.group - 1) * size
+        factor = 2 if self.kind == ALL_REDUCE else 1
+        return -(-factor * (self.group - 1) * size // self.group)
+
+    @property
+    def result_bytes(self) -> int:
+        """Bytes of one execution's result on a device: what XLA's combiners compare with their threshold."""
+        size = self.elements * self.itemsize
+        if self.kind == ALL_GATHER:
+            return size * self.group
+        return size // self.group if self.kind == REDUCE_SCATTER else size
+
+
+# The dimension a collective splits or joins: one for every axis, or each axis its own (two-dimension splits).
+Dims = int | Mapping[str, int]
+
+
+def nodes_spanned(axes: AxisPlan, group_axes: Sequence[str]) -> int:
+    """Nodes one group over `group_axes` touches."""
+    return axes.size([a for a in group_axes if axes.is_inter(a)])
+
+
+def _level(axes: AxisPlan, group_axes: Sequence[str]) -> str:
+    return "inter" if any(axes.is_inter(a) for a in group_axes) else "intra"
+
+
+def chained(ops: list[Op]) -> list[Op]:
+    """The stages of one collective chain, each but the last marked as feeding the next."""
+    return [dataclasses.replace(op, feeds=True) for op in ops[:-1]] + ops[-1:]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Builder:
+    axes: AxisPlan
+    hierarchical: bool
+    unit: tuple[str, ...] | None = None
+
+    def op(
+        self, phase: str, kind: str, group_axes: Sequence[str], dim: int | None, elements: int,
+        itemsize: int, executions: int,
+    ) -> Op:  # fmt: skip
+        group_axes = tuple(group_axes)
+        return Op(
+            phase, kind, group_axes, self.axes.size(group_axes), nodes_spanned(self.axes, group_axes),
+            _level(self.axes, group_axes), dim, elements, itemsize, executions, self.unit,
+        )  # fmt: skip
+
+    def pieces(self, group_axes: Sequence[str], dims: Dims) -> list[tuple[tuple[str, ...], int]]:
+        """`group_axes` in runs that one collective can take, with the dimension each splits: a leaf
+        split over two dimensions needs one per dimension; hierarchical, one per level too."""
+        if not group_axes:
+            return []
+        dim_of = (lambda _: dims) if isinstance(dims, int) else dims.__getitem__
+        key = (lambda a: (self.axes.is_inter(a), dim_of(a))) if self.hierarchical else dim_of
+        grouped = (tuple(run) for _, run in itertools.groupby(group_axes, key))
+        return [(run, dim_of(run[0])) for run in grouped]
+
+    def all_gather(
+        self, phase: str, group_axes: Sequence[str], dims: Dims, block: int, itemsize: int, executions: int
+    ) -> list[Op]:
+        """Gather over `group_axes` (major first): the minor run first, so nodes exchange the small piece."""
+        ops, elements = [], block
+        for run, dim in reversed(self.pieces(group_axes, dims)):
+            ops.append(self.op(phase, ALL_GATHER, run, dim, elements, itemsize, executions))
+            elements *= self.axes.size(run)
+        return chained(ops)
+
+    def reduce_scatter(
+        self, phase: str, group_axes: Sequence[str], dims: Dims, full: int, itemsize: int, executions: int
+    ) -> list[Op]:
+        """Reduce-scatter over `group_axes` (major first): the major run first, intra-node by layout."""
+        ops, elements = [], full
+        for run, dim in self.pieces(group_axes, dims):
+            ops.append(self.op(phase, REDUCE_SCATTER, run, dim, elements, itemsize, executions))
+            elements //= self.axes.size(run)
+        return chained(ops)
+
+    def all_reduce(
+        self, phase: str, group_axes: Sequence[str], elements: int, itemsize: int, executions: int
+    ) -> list[Op]:
+        """Sum over `group_axes`; across nodes as intra reduce-scatter, inter all-reduce, intra all-gather
+        when hierarchical and the buffer splits over the node's devices."""
+        if not group_axes:
+            return []
+        intra = tuple(a for a in group_axes if not self.axes.is_inter(a))
+        inter = tuple(a for a in group_axes if self.axes.is_inter(a))
+        if not (self.hierarchical and intra and inter and elements % self.axes.size(intra) == 0):
+            return [self.op(phase, ALL_REDUCE, group_axes, None, elements, itemsize, executions)]
+        piece = elements // self.axes.size(intra)
+        return chained([
+            self.op(phase, REDUCE_SCATTER, intra, None, elements, itemsize, executions),
+            self.op(phase, ALL_REDUCE, inter, None, piece, itemsize, executions),
+            self.op(phase, ALL_GATHER, intra, None, piece, itemsize, executions),
+        ])
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSchedule:
+    """Every collective one parameter leaf takes part in, by what the step does with it."""
+
+    path: tuple[str, ...]
+    split: LeafLayout
+    stacked: bool
+    gather: tuple[Op, ...]
+    regather: tuple[Op, ...]
+    grad_reduce: tuple[Op, ...]
+    reduction: tuple[Op, ...]
+    refresh: tuple[Op, ...]
+    refresh_slice: tuple[str, ...]
+    per_layer: bool = False  # gathered per layer (a stack's or a block's leaf), else once per step
+    frozen: bool = False  # not trained: gathered, never reduced or refreshed
+    # Whether the first layer is kept (`keeps_first_layer`); then its collectives, those of `gather`
+    # and `grad_reduce` once per step (the gather with the other leaves', the reduce-scatter after the
+    # micro-batches), and the other ops count the loop's layers only.
+    keeps_first_layer: bool = False
+    first_gather: tuple[Op, ...] = ()
+    first_reduce: tuple[Op, ...] = ()
+
+    @property
+    def layers(self) -> int:
+        """Layers of a stacked leaf (1 otherwise)."""
+        return self.split.shape[0] if self.stacked else 1
+
+    @property
+    def gathered_shape(self) -> tuple[int, ...]:
+        """The shape the model sees of one gather: the leaf, or one layer of a stacked leaf."""
+        return self.split.shape[int(self.stacked) :]
+
+    @property
+    def gathered_padded(self) -> tuple[int, ...]:
+        """The stored shape of one gather (what the collectives move)."""
+        return self.split.padded[int(self.stacked) :]
+
+    def ops(self) -> tuple[Op, ...]:
+        """Every op of this leaf in one step, in step order. A frozen leaf's `refresh` runs only where a
+        state is built (init, restore), never in the step."""
+        refresh = () if self.frozen else self.refresh
+        return (
+            self.first_gather + self.gather + self.regather + self.grad_reduce + self.first_reduce
+            + self.reduction + refresh
+        )  # fmt: skip
+
+
+def leaf_schedule(
+    axes: AxisPlan,
+    path: tuple[str, ...],
+    shape: Sequence[int],
+    stacked: bool,
+    micro_batches: int,
+    remat: str,
+    param_itemsize: int,
+    reduce_itemsize: int,
+    implementation: Implementation = Implementation(),
+    per_layer: bool | None = None,
+    regathered: bool = True,
+    frozen: bool = False,
+    major_first: bool = True,
+    unit: tuple[str, ...] | None = None,
+    layer_stack: bool = False,
+) -> LeafSchedule:
+    """The collectives the step runs for one leaf, with their executions per step.
+
+    Leaves of a layer (`per_layer`; by default the stacked ones: a leading layer dimension) are
+    gathered per layer and micro-batch in the forward pass and again in the backward pass unless
+    remat is `none` (then the gathered weights are saved); their gradient is reduce-scattered onto G
+    per layer and micro-batch. Other leaves' gathers do not depend on the micro-batch, so XLA hoists
+    them out of the micro-batch loop (once per step); their gradient is reduce-scattered per
+    micro-batch. Once per step the G→OS reduction and the P refresh run. A leaf the backward pass never
+    reads (`regathered=False`, e.g. a bias added just before a residual sum) is not gathered again.
+    A `frozen` leaf is gathered as any other but has no gradient: no reduce-scatter, no reduction onto
+    OS, and no refresh in the step (its P never changes). `major_first`: how the leaf is split
+    (`sharding.shard_dims`). `unit`: the stack or block a per-layer leaf is gathered with (default: the
+    leaf alone), which `launches` merges by. `layer_stack`: the leaf is a `LayerStack`'s, whose first
+    layer the step may keep gathered (`keeps_first_layer`): then the layer loop runs the other layers.
+    """
+    split = leaf_layout(axes, shape, stacked, major_first)
+    build = _Builder(axes, implementation.hierarchical)
+    size = math.prod(split.padded)  # what moves is the stored (padded) leaf
+    layers = shape[0] if stacked else 1
+    layer_size = size // layers
+    all_axes = axes.all_axes
+    per_layer = stacked if per_layer is None else per_layer
+    kept_first = bool(per_layer and stacked and layer_stack) and keeps_first_layer(
+        micro_batches, layers, implementation
+    )
+    if split.dim is None:
+        # A leaf with nothing to split (a scalar) stays whole everywhere: only its gradient is summed.
+        reduction = [] if frozen else build.all_reduce(REDUCTION, all_axes, size, reduce_itemsize, 1)
+        return LeafSchedule(
+            tuple(path), split, stacked, (), (), (), tuple(reduction), (), (), False, frozen, kept_first
+        )
+    largest = tuple(a for a, _ in split.axis_dims)
+    dim, leaf_dims = split.dims_of(largest, int(stacked)), split.dims_of(largest)
+    p_axes, g_axes, o_axes = axes.axes("params"), axes.axes("grads"), axes.axes("opt_state")
+    p_block = layer_size // axes.size(p_axes)
+    per_micro_batch = (layers - kept_first) * micro_batches
+    layer_build = dataclasses.replace(build, unit=unit or tuple(path)) if per_layer else build
+    if per_layer:
+        gather = layer_build.all_gather(FORWARD_GATHER, p_axes, dim, p_block, param_itemsize, per_micro_batch)
+        regather = (
+            layer_build.all_gather(BACKWARD_GATHER, p_axes, dim, p_block, param_itemsize, per_micro_batch)
+            if remat != "none" and regathered
+            else []
+        )
+    else:
+        gather, regather = build.all_gather(OTHER_GATHER, p_axes, dim, p_block, param_itemsize, 1), []
+    # A loop of blocks is straight-line code, so XLA merges its blocks' gradient reduce-scatters with
+    # each other and the other leaves' (up to the threshold); a stack's run once per loop iteration.
+    grad_build = layer_build if stacked else build
+    grad_reduce = (
+        []
+        if frozen
+        else grad_build.reduce_scatter(GRAD_REDUCE, g_axes, dim, layer_size, reduce_itemsize, per_micro_batch)
+    )
+
+    g_block = size // axes.size(g_axes)
+    o_block = size // axes.size(o_axes)
+    if frozen:
+        reduction = []
+    elif set(g_axes) <= set(o_axes):
+        # OS is finer than G: scatter over the axes OS adds, then sum over its replicas (MiCS' 2 hops).
+        extra = [a for a in o_axes if a not in g_axes]
+        reduction = build.reduce_scatter(REDUCTION, extra, leaf_dims, g_block, reduce_itemsize, 1)
+        reduction += build.all_reduce(
+            REDUCTION, [a for a in all_axes if a not in o_axes], o_block, reduce_itemsize, 1
+        )
+    else:
+        # G is finer than OS: sum over G's replicas, then gather the axes G has beyond OS.
+        reduction = build.all_reduce(
+            REDUCTION, [a for a in all_axes if a not in g_axes], g_block, reduce_itemsize, 1
+        )
+        reduction += build.all_gather(
+            REDUCTION, [a for a in g_axes if a not in o_axes], leaf_dims, g_block, reduce_itemsize, 1
+        )
+    if set(p_axes) <= set(o_axes):
+        extra = [a for a in o_axes if a not in p_axes]
+        refresh, refresh_slice = build.all_gather(REFRESH, extra, leaf_dims, o_block, param_itemsize, 1), ()
+    else:
+        refresh, refresh_slice = [], tuple(a for a in p_axes if a not in o_axes)
+    first_gather = first_reduce = ()
+    if kept_first:
+        first_gather = tuple(
+            dataclasses.replace(op, phase=OTHER_GATHER, executions=1, unit=None) for op in gather
+        )
+        first_reduce = tuple(dataclasses.replace(op, executions=1, unit=None) for op in grad_reduce)
+    return LeafSchedule(
+        tuple(path), split, stacked, tuple(gather), tuple(regather), tuple(grad_reduce),
+        tuple(reduction), tuple(refresh), refresh_slice, per_layer, frozen, kept_first, first_gather,
+        first_reduce,
+    )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """One step's operations: every leaf's ops, and the step-wide choices they follow."""
+
+    leaves: dict[tuple[str, ...], LeafSchedule]
+    micro_batches: int
+    remat: str
+    implementation: Implementation
+    params_from_master: bool = False  # P is not stored: the step casts the master (`params_from_master`)
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether the step keeps an fp32 G accumulator."""
+        return accumulates(self.micro_batches)
+
+    def prefetches(self, layers: int, stack: bool = True) -> bool:
+        """Whether a stack (or a loop of blocks) of `layers` gathers one layer ahead (`uses_prefetch`)."""
+        return uses_prefetch(self.micro_batches, self.remat, layers, self.implementation.prefetch, stack)
+
+    def ops(self) -> list[Op]:
+        """Every op of the step."""
+        return [op for leaf in self.leaves.values() for op in leaf.ops()]
+
+
+def launches(ops: Iterable[tuple[int, Op]], platform: str, layer_bytes: int) -> int:
+    """Collectives XLA issues per step for `ops` (each `(copies, op)`) on `platform`.
+
+    XLA's combiners merge independent collectives of one kind over one group of devices that become
+    ready together, up to a size (`backend.combine_thresholds`): here, the ops of one phase, kind and
+    group shape (devices, nodes) with the same executions and layer group (`Op.unit`): one layer's
+    gathers (or gradient reduce-scatters) per layer and micro-batch, the other leaves' together, a
+    once-per-step phase's together. Groups are told apart by shape, not by mesh axes, so that the
+    planner's placements priced one by one (`amsp_jax.planner.partitioner`, on meshes of fewer axes) issue as
+    many as the whole strategy; two groups of one shape over different axes of one mesh (a leaf split
+    along two dimensions beside one split along one) count as one. A kind the platform does not merge
+    is issued once per op. Compiled for H100s and A100s (4-32 layers, every preset) XLA issues this
+    many, less two gathers and at most one reduce-scatter per micro-batch that it also merges at the
+    turn from forward to backward (LLaMA-7B zero3 at 1,024 A100s: 65 / 63 all-gathers and 66 / 32
+    reduce-scatters per level predicted / compiled, against 579 and 291 ops of leaves).
+    """
+    thresholds = combine_thresholds(platform, layer_bytes)
+    merged: dict[tuple[object, ...], list[int]] = {}
+    total = 0
+    for copies, op in ops:
+        if op.kind not in thresholds:
+            total += copies * op.executions
+            continue
+        key = (op.phase, op.kind, op.group, op.nodes, op.unit, op.executions)
+        merged.setdefault(key, []).extend([op.result_bytes] * copies)
+    return total + sum(key[-1] * _packed(sizes, thresholds[key[1]]) for key, sizes in merged.items())
+
+
+def _packed(sizes: list[int], threshold: float) -> int:
+    """Collectives XLA's combiner makes of ops of `sizes`, in order: each joins the open one while the
+    sum stays within `threshold`, else starts the next; an op above the threshold goes alone and leaves
+    the open one open (13B's layer gradient over 4 devices: its three 35 MB reduce-scatters alone, the
+    norms and four 13 MB ones in two, 5 per layer as compiled)."""
+    alone = sum(size > threshold for size in sizes)
+    merged, open_bytes = 0, 0.0
+    for size in sizes:
+        if size > threshold:
+            continue
+        if merged == 0 or open_bytes + size > threshold:
+            merged, open_bytes = merged + 1, 0.0
+        open_bytes += size
+    return alone + merged
+
+
+def largest_gather_bytes(layers: Iterable[tuple[tuple[str, ...] | None, int]], itemsize: int) -> int:
+    """Bytes of the step's largest single gather from `(unit, stored elements of one layer)` per leaf:
+    one layer of a stack or block (its leaves together), or every other leaf (unit None) together.
+    The step gives XLA this as its combine threshold (`backend.combine_thresholds`); `launches` reads it."""
+    per_unit: dict[tuple[str, ...] | None, int] = {}
+    for unit, elements in layers:
+        per_unit[unit] = per_unit.get(unit, 0) + elements * itemsize
+    return max(per_unit.values(), default=0)
+
+
+def build(
+    axes: AxisPlan,
+    leaves: Iterable[
+        tuple[tuple[str, ...], Sequence[int], bool, bool, bool, bool, bool, tuple[str, ...] | None, bool]
+    ],
+    micro_batches: int,
+    remat: str,
+    param_itemsize: int,
+    reduce_itemsize: int,
+    implementation: Implementation = Implementation(),
+) -> Schedule:
+    """The schedule of a step over `leaves` given as (path, shape, stacked, gathered per layer,
+    gathered again in the backward pass, frozen, split major dimension first, layer group, a
+    `LayerStack`'s)."""
+    knobs = (micro_batches, remat, param_itemsize, reduce_itemsize, implementation)
+    scheduled = {
+        tuple(path): leaf_schedule(axes, tuple(path), shape, stacked, *knobs, *flags)
+        for path, shape, stacked, *flags in leaves
+    }
+    return Schedule(scheduled, micro_batches, remat, implementation, params_from_master(axes.strategy))

@@ -1,0 +1,510 @@
+"""Cluster hardware from a cluster YAML: memory, compute and collective bandwidth tables.
+
+A cluster config says what one device can hold and compute, and how fast each collective kind runs
+inside a node and across nodes. Bandwidths are nccl-tests *bus* bandwidths, indexed by the bytes one
+device sends in one collective — exactly what `amsp_jax.cost.model` counts per execution — so the time of
+a collective is simply `bytes_per_device / busbw(bytes_per_device)` (nccl-tests PERFORMANCE.md: for a
+ring all-gather or reduce-scatter busbw = algbw·(n−1)/n, and the per-device ring bytes are
+S·(n−1)/n, so S/algbw = bytes/busbw; for all-reduce both carry 2(n−1)/n). Between table sizes the
+bandwidth is interpolated linearly in log-size; below the smallest size a collective costs what the
+smallest one costs (latency-bound), above the largest the bandwidth stays flat.
+
+`load` takes a path or the name of a shipped config (`a800-8x-ib800`, `h100-dgx`, `cpu-sim`; see
+`amsp_jax.core.config_files`). Schema (every number carries its source in a comment in the YAML file):
+
+    name: a800-8x-ib800
+    nodes: 128                    # default node count; callers may override
+    devices_per_node: 8
+    collective_min_itemsize: 1    # optional; 4 where 16-bit collectives run in fp32 (XLA:CPU)
+    device: {name, memory_bytes, usable_memory_fraction, peak_flops, compute_efficiency,
+             hbm_bandwidth, matmul_rates}
+                                  # matmul_rates (optional, written by `amsp-jax profile`): per
+                                  # compute dtype (bfloat16, float32), rows [tokens, GFLOP/s]: the
+                                  # rate of a layer's matmuls over that many tokens at once (a bare
+                                  # list of rows: the same for every dtype), or a mapping of square
+                                  # widths W to such rows, each measured on (tokens x W)·(W x W);
+                                  # a dtype without rows runs at peak_flops × compute_efficiency
+                                  # memory_bandwidths (optional, written by `amsp-jax profile`): rows
+                                  # [bytes per device, GB/s] of an elementwise op into a fresh buffer
+    overlap: {enabled, reduction_fraction, interference}   # enabled: false where collectives block compute
+    latency: {base_us, intra_hop_us, inter_hop_us}   # optional: NCCL-style ring latency per op
+    memory_passes: {bandwidth_gbps, step_overhead_ms, params, grads, opt_state, model, activations,
+                    stored_params, split_results}
+                                  # optional, written by `amsp-jax profile`: bytes the step's memory-bound
+                                  # kernels touch per byte of each block, and the bandwidth they reach;
+                                  # stored_params: per fp32 parameter byte where P is stored apart;
+                                  # split_results: per byte a split collective's stages hand on
+    bandwidth:
+      all-gather | reduce-scatter | all-reduce:
+        intra | inter: [[SIZE, GB_PER_S], ...]    # SIZE: bytes, or e.g. "1MiB"
+        intra/N | inter/N: [[SIZE, GB_PER_S], ...]
+                                  # optional, written by `amsp-jax profile`: groups of N devices of one
+                                  # node (intra/N) or of N nodes (inter/N), fewer than the level's own
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from amsp_jax.core import config_files
+from amsp_jax.core.space import Cluster
+from amsp_jax.errors import one_line
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+# The blocks a step's memory-bound kernels pass over (amsp_jax.cost.timing.memory_times).
+PASS_BLOCKS = ("params", "grads", "opt_state", "model", "activations")
+# Bytes per fp32 parameter byte a step passes over where P is stored apart from the master: a cost the
+# probe steps' times show and their compiled bytes do not (XLA:CPU converts a stored 16-bit weight at
+# each use, from memory the just-gathered master's cast finds in cache).
+STORED_PARAMS = "stored_params"
+# Bytes' worth of passes per byte of the results a split collective's stages hand on, which a backend
+# running collectives wider than their dtype rounds in kernels of their own (`cost.rounded_bytes`):
+# 2 by the compiled bytes (read and write); the probe steps time what a split costs a running step
+# beyond its collectives' tables, which on XLA:CPU is several times that.
+SPLIT_RESULTS = "split_results"
+PASS_KEYS = ("bandwidth_gbps", "step_overhead_ms", *PASS_BLOCKS, STORED_PARAMS, SPLIT_RESULTS)
+PASS_DEFAULTS = {SPLIT_RESULTS: 2.0}
+LEVELS = ("intra", "inter")
+# A table measured over one ring of every device of the profiled machines (`flat_ring`): what a flat
+# collective across nodes costs there, latency included, where the two-link formula of
+# `ClusterConfig.collective_time` assumes the NICs and the node's links work side by side.
+FLAT = "flat"
+MATMUL_DTYPES = ("bfloat16", "float32")  # the compute dtypes of the `mixed` and `fp32` precisions
+GB = 1e9
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+    "KB": 1e3,
+    "MB": 1e6,
+    "GB": 1e9,
+}
+
+
+class ClusterConfigError(ValueError):
+    """A cluster YAML that is missing something or holds a value that cannot be right."""
+
+
+def parse_size(value: int | float | str) -> float:
+    """Bytes from `4096`, `"64KiB"`, `"1 MiB"`, `"1.5GiB"` or `"1e6"`."""
+    if isinstance(value, int | float):
+        return float(value)
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([KMGT]i?B|B)?\s*", str(value), flags=re.IGNORECASE)
+    if not match:
+        raise ClusterConfigError(f"size {value!r} is not a number of bytes such as 65536 or '64KiB'")
+    return float(match.group(1)) * _UNITS[(match.group(2) or "").upper()]
+
+
+def format_size(size: float) -> str:
+    """`1048576` → `"1MiB"`; sizes that are no power-of-1024 multiple stay plain numbers."""
+    for unit in ("GiB", "MiB", "KiB"):
+        scale = _UNITS[unit.upper()]
+        if size >= scale and size % scale == 0:
+            return f"{int(size // scale)}{unit}"
+    return str(int(size))
+
+
+@dataclasses.dataclass(frozen=True)
+class BandwidthTable:
+    """Bus bandwidth (bytes/s) at increasing message sizes (bytes one device sends in one collective)."""
+
+    sizes: tuple[float, ...]
+    busbw: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.sizes or len(self.sizes) != len(self.busbw):
+            raise ClusterConfigError("a bandwidth table needs one or more [size, GB/s] rows")
+        if any(b <= a for a, b in zip(self.sizes, self.sizes[1:], strict=False)):
+            raise ClusterConfigError(f"bandwidth table sizes must increase, got {self.sizes}")
+        if min(self.sizes) <= 0 or min(self.busbw) <= 0:
+            raise ClusterConfigError("bandwidth table sizes and bandwidths must be positive")
+
+    def at(self, size: float) -> float:
+        """Bus bandwidth for a collective in which one device sends `size` bytes.
+
+        Between two measured sizes the time (size over bandwidth) is affine in the size: a fixed cost
+        and a rate, the two-point latency-bandwidth line. Interpolating the bandwidth itself in log-size
+        priced a 230 KB reduce-scatter over 8 CPU devices at 0.12 ms from a table measured at 64 KiB and
+        1 MiB, where chained ones took 0.20 ms and the line gives 0.19.
+        """
+        if size <= self.sizes[0]:
+            # Latency-bound below the smallest measured size: the collective costs what that one costs.
+            return self.busbw[0] * size / self.sizes[0]
+        if size >= self.sizes[-1]:
+            return self.busbw[-1]
+        i = bisect.bisect_right(self.sizes, size)
+        lo, hi = self.sizes[i - 1], self.sizes[i]
+        t_lo, t_hi = lo / self.busbw[i - 1], hi / self.busbw[i]
+        return size / (t_lo + (size - lo) / (hi - lo) * (t_hi - t_lo))
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Sequence[Any]], where: str) -> BandwidthTable:
+        """From YAML rows `[size, GB/s]`."""
+        try:
+            pairs = sorted((parse_size(size), float(gbps) * GB) for size, gbps in rows)
+        except (TypeError, ValueError) as error:
+            raise ClusterConfigError(f"{where}: rows must be [size, GB/s] pairs ({error})") from error
+        try:
+            return cls(tuple(s for s, _ in pairs), tuple(b for _, b in pairs))
+        except ClusterConfigError as error:
+            raise ClusterConfigError(f"{where}: {error}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulRates:
+    """FLOP/s of one compute dtype's matmuls by the tokens they run over, per square width measured.
+
+    A (tokens × W)·(W × W) product and its backward run slower per FLOP the narrower W is where a
+    fixed cost per op weighs (on 8 simulated CPU devices a 128-wide product over 64 tokens ran at
+    0.75-0.8x the rate of a 512-wide one). Between measured widths the rate is interpolated linearly
+    in log-width; outside them it is the nearest width's. Width 0: one table for every width.
+    """
+
+    tables: Mapping[int, BandwidthTable]
+
+    def at(self, tokens: float, width: float) -> float:
+        """FLOP/s of a matmul of `width` (the side of the square of its size) over `tokens` rows."""
+        widths = sorted(self.tables)
+        if width <= widths[0] or len(widths) == 1:
+            return self.tables[widths[0]].at(tokens)
+        if width >= widths[-1]:
+            return self.tables[widths[-1]].at(tokens)
+        i = bisect.bisect_right(widths, width)
+        lo, hi = widths[i - 1], widths[i]
+        share = math.log(width / lo) / math.log(hi / lo)
+        return (1 - share) * self.tables[lo].at(tokens) + share * self.tables[hi].at(tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """The hardware of a cluster: per-device memory and compute, and collective bandwidth tables."""
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    memory_bytes: float
+    usable_memory_fraction: float
+    peak_flops: float
+    compute_efficiency: float
+    hbm_bandwidth: float
+    reduction_overlap: float
+    overlap_interference: float
+    bandwidth: Mapping[tuple[str, str], BandwidthTable]
+    collective_min_itemsize: int = 1
+    device_name: str = ""
+    overlap_enabled: bool = True
+    latency_base: float = 0.0
+    latency_intra_hop: float = 0.0
+    latency_inter_hop: float = 0.0
+    memory_passes: Mapping[str, float] | None = None  # bytes touched per byte of each block (timing)
+    pass_bandwidth: float = 0.0  # bytes/s of those passes while the step runs
+    step_overhead: float = 0.0  # seconds per step that no term of the time model covers
+    # FLOP/s of a layer's matmuls by compute dtype, width and the tokens they run over at once
+    # (interpolated as the bandwidth tables are: a few dozen tokens per device run far below the
+    # large-matmul rate on a CPU, and XLA:CPU runs bf16 matmuls slower than fp32 ones); a dtype
+    # without a table: every matmul at `sustained_flops`.
+    matmul_rates: Mapping[str, MatmulRates] | None = None
+    flat_ring: tuple[int, int] | None = None  # (devices, nodes) of the ring the `flat` tables measured
+    # Bytes/s of an elementwise op into a fresh buffer by the bytes it writes per device: on a CPU a
+    # small buffer comes from the allocator's reused memory and the cache, a large one from pages the
+    # kernel must map on first touch; none: every size alike.
+    memory_bandwidths: BandwidthTable | None = None
+    # Tables of groups smaller than a level's own (`intra/2`), by (kind, level, devices in the group).
+    group_bandwidth: Mapping[tuple[str, str, int], BandwidthTable] = dataclasses.field(default_factory=dict)
+
+    @property
+    def platform(self) -> str:
+        """`cpu` for a profiled CPU host (`amsp-jax profile` names its device by JAX's device kind,
+        `cpu`), else `gpu`."""
+        return "cpu" if self.device_name.lower() == "cpu" else "gpu"
+
+    @property
+    def memory_limit(self) -> float:
+        """Bytes a plan may use per device."""
+        return self.memory_bytes * self.usable_memory_fraction
+
+    @property
+    def sustained_flops(self) -> float:
+        """FLOP/s one device sustains on the model's compute."""
+        return self.peak_flops * self.compute_efficiency
+
+    def matmul_rate(self, tokens: float, dtype: str, width: float = 0.0) -> float:
+        """FLOP/s of one device's `dtype` matmuls of `width` (`MatmulRates.at`; 0: the narrowest
+        measured) over `tokens` rows at once (`sustained_flops` without a table for that dtype)."""
+        rates = (self.matmul_rates or {}).get(dtype)
+        if rates is None:
+            return self.sustained_flops
+        return rates.at(tokens, width) * self.compute_efficiency
+
+    def pass_speed(self, nbytes: float) -> float:
+        """How much faster than over the largest measured buffer a memory pass over `nbytes` per device
+        runs (`memory_bandwidths`; 1 without them): the memory passes' bandwidth is fitted at scale."""
+        table = self.memory_bandwidths
+        if table is None:
+            return 1.0
+        return table.at(max(nbytes, table.sizes[0])) / table.busbw[-1]
+
+    def cluster(self, nodes: int | None = None) -> Cluster:
+        """The partition-space cluster of `nodes` (default: the config's) nodes."""
+        return Cluster(nodes or self.nodes, self.devices_per_node, self.name)
+
+    def with_shape(self, nodes: int, devices_per_node: int | None = None) -> ClusterConfig:
+        """The same hardware with another node count (and, for simulated clusters, devices per node)."""
+        return dataclasses.replace(
+            self, nodes=nodes, devices_per_node=devices_per_node or self.devices_per_node
+        )
+
+    def busbw(self, kind: str, level: str, size: float, group: int = 0) -> float:
+        """Bus bandwidth (bytes/s) of a `kind` collective at `level` where one device sends `size` bytes,
+        over `group` devices at that level: from the table measured for groups of that size where there
+        is one (a shorter ring runs faster, `amsp_jax.cli.profile.group_meshes`), else the level's."""
+        table = self.group_bandwidth.get((kind, level, group)) or self.bandwidth.get((kind, level))
+        if table is None:
+            why = (
+                " (it describes one device, which runs no collective: use a config profiled on the cluster"
+                " to plan, or a shipped one such as h100-dgx)"
+                if not self.bandwidth
+                else ""
+            )
+            raise ClusterConfigError(f"cluster {self.name!r} has no bandwidth table for {kind} {level}{why}")
+        return table.at(size)
+
+    def latency(self, kind: str, group: int, nodes: int) -> float:
+        """Seconds of fixed cost of one ring collective over `group` devices on `nodes` nodes.
+
+        NCCL's tuning model (src/graph/tuning.cc): a base latency plus one hop per ring step, each step
+        inside a node costing an NVLink hop and each step between nodes a network hop; an all-reduce
+        walks the ring twice. A group of 0 (transfers merged across groups) has no latency term.
+        """
+        if group <= 1:
+            return 0.0
+        nodes = max(nodes, 1)
+        hops = (group - nodes) * self.latency_intra_hop + (nodes - 1) * self.latency_inter_hop
+        return self.latency_base + (2 if kind == "all-reduce" else 1) * hops
+
+    def collective_time(
+        self, kind: str, level: str, size: int, executions: int, group: int = 0, nodes: int = 0
+    ) -> float:
+        """Seconds for `executions` collectives that move `size` bytes per device in all, over groups
+        of `group` devices on `nodes` nodes: latency per execution plus bytes over bus bandwidth.
+
+        A flat ring that spans nodes with several devices per node sends only nodes/group of its bytes
+        across the NICs (it enters and leaves each node once); the rest hop over the node's links, at
+        the same time: the slower of the two sets the pace. A ring of the shape `flat_ring` measured
+        (`amsp-jax profile`) is priced from that measurement instead, latency and all.
+        """
+        if size <= 0 or executions <= 0:
+            return 0.0
+        fixed = executions * self.latency(kind, group, nodes)
+        per_op = size / executions
+        if level == "inter" and (group, nodes) == self.flat_ring and (kind, FLAT) in self.bandwidth:
+            return size / self.busbw(kind, FLAT, per_op)
+        if level == "inter" and group > nodes > 0:
+            nic = size * nodes / group
+            return fixed + max(
+                nic / self.busbw(kind, "inter", nic / executions, nodes),
+                (size - nic) / self.busbw(kind, "intra", per_op, group // nodes),
+            )
+        return fixed + size / self.busbw(kind, level, per_op, group)
+
+
+def _number(section: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
+    value = section.get(key, default)
+    if value is None:
+        raise ClusterConfigError(f"{where}: missing {key!r}")
+    try:
+        if isinstance(value, bool):
+            raise TypeError(value)
+        number = float(value)
+    except (TypeError, ValueError) as error:
+        raise ClusterConfigError(f"{where}: {key} = {value!r} is not a number") from error
+    if not math.isfinite(number):
+        raise ClusterConfigError(f"{where}: {key} = {value!r} is not a finite number")
+    if number <= 0:
+        raise ClusterConfigError(f"{where}: {key} must be positive, got {number}")
+    return number
+
+
+def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> ClusterConfig:
+    """A `ClusterConfig` from the parsed YAML mapping."""
+    for section in ("device", "overlap", "bandwidth"):
+        if not isinstance(values.get(section) or {}, Mapping):
+            raise ClusterConfigError(f"{where}: {section} must be a mapping, got {values[section]!r}")
+    for kind, levels in (values.get("bandwidth") or {}).items():
+        if not isinstance(levels or {}, Mapping):
+            raise ClusterConfigError(f"{where}: bandwidth.{kind} must map intra/inter to [size, GB/s] rows")
+    device = values.get("device") or {}
+    overlap = values.get("overlap") or {}
+    latency = values.get("latency") or {}
+    if not isinstance(latency, Mapping):
+        raise ClusterConfigError(f"{where}: latency must be a mapping of base_us, intra_hop_us, inter_hop_us")
+    latency_s = {}
+    for key in ("base_us", "intra_hop_us", "inter_hop_us"):
+        try:
+            latency_s[key] = float(latency.get(key, 0.0)) * 1e-6
+        except (TypeError, ValueError) as error:
+            value = latency.get(key)
+            raise ClusterConfigError(f"{where}: latency.{key} = {value!r} is not a number") from error
+        if latency_s[key] < 0:
+            raise ClusterConfigError(f"{where}: latency.{key} must not be negative")
+    passes = _memory_passes(values.get("memory_passes"), where)
+    tables: dict[tuple[str, str], BandwidthTable] = {}
+    group_tables: dict[tuple[str, str, int], BandwidthTable] = {}
+    for kind, levels in (values.get("bandwidth") or {}).items():
+        if kind not in KINDS:
+            raise ClusterConfigError(f"{where}: unknown collective kind {kind!r}; use {KINDS}")
+        for level, rows in (levels or {}).items():
+            table = BandwidthTable.from_rows(rows, f"{where}: bandwidth.{kind}.{level}")
+            if level in (*LEVELS, FLAT):
+                tables[(kind, level)] = table
+            elif match := re.fullmatch(rf"({'|'.join(LEVELS)})/([0-9]+)", str(level)):
+                if int(match[2]) < 2:
+                    raise ClusterConfigError(f"{where}: bandwidth.{kind}.{level}: a group needs 2 devices")
+                group_tables[(kind, match[1], int(match[2]))] = table
+            else:
+                raise ClusterConfigError(
+                    f"{where}: unknown level {level!r} under {kind}; use {', '.join((*LEVELS, FLAT))}, "
+                    "or intra/N, inter/N for groups of N"
+                )
+    missing = [f"{k}.{lv}" for k in KINDS for lv in LEVELS if (k, lv) not in tables]
+    # A config of one device (a profile of one GPU) runs no collective and may measure none.
+    if missing and _number(values, "nodes", where) * _number(values, "devices_per_node", where) > 1:
+        raise ClusterConfigError(f"{where}: no bandwidth table for {', '.join(missing)}")
+    flat_ring = _flat_ring(values.get("flat_ring"), any(level == FLAT for _, level in tables), where)
+    try:
+        fraction = float(overlap.get("reduction_fraction", 0.5))
+        interference = float(overlap.get("interference", 0.0))
+    except (TypeError, ValueError):
+        raise ClusterConfigError(f"{where}: overlap fractions must be numbers, got {dict(overlap)}") from None
+    if not (0 <= fraction <= 1 and 0 <= interference <= 1):
+        raise ClusterConfigError(f"{where}: overlap fractions must lie in [0, 1], got {dict(overlap)}")
+    return ClusterConfig(
+        name=str(values.get("name", "cluster")),
+        nodes=int(_number(values, "nodes", where)),
+        devices_per_node=int(_number(values, "devices_per_node", where)),
+        memory_bytes=_number(device, "memory_bytes", f"{where}: device"),
+        usable_memory_fraction=min(1.0, _number(device, "usable_memory_fraction", f"{where}: device", 1.0)),
+        peak_flops=_number(device, "peak_flops", f"{where}: device"),
+        compute_efficiency=min(1.0, _number(device, "compute_efficiency", f"{where}: device", 1.0)),
+        hbm_bandwidth=_number(device, "hbm_bandwidth", f"{where}: device"),
+        reduction_overlap=fraction,
+        overlap_interference=interference,
+        bandwidth=tables,
+        collective_min_itemsize=int(_number(values, "collective_min_itemsize", where, 1)),
+        device_name=str(device.get("name", "")),
+        overlap_enabled=bool(overlap.get("enabled", True)),
+        latency_base=latency_s["base_us"],
+        latency_intra_hop=latency_s["intra_hop_us"],
+        latency_inter_hop=latency_s["inter_hop_us"],
+        memory_passes=passes and {key: passes[key] for key in (*PASS_BLOCKS, STORED_PARAMS, SPLIT_RESULTS)},
+        pass_bandwidth=passes["bandwidth_gbps"] * GB if passes else 0.0,
+        step_overhead=passes["step_overhead_ms"] * 1e-3 if passes else 0.0,
+        matmul_rates=_matmul_rates(device.get("matmul_rates"), f"{where}: device.matmul_rates"),
+        memory_bandwidths=None
+        if device.get("memory_bandwidths") is None
+        else BandwidthTable.from_rows(device["memory_bandwidths"], f"{where}: device.memory_bandwidths"),
+        flat_ring=flat_ring,
+        group_bandwidth=group_tables,
+    )
+
+
+def _flat_ring(section: Any, has_tables: bool, where: str) -> tuple[int, int] | None:
+    if section is None and not has_tables:
+        return None
+    if not isinstance(section, Mapping) or not has_tables:
+        raise ClusterConfigError(
+            f"{where}: `flat` bandwidth tables and `flat_ring: {{devices: N, nodes: M}}` (the ring they "
+            "were measured over) come together"
+        )
+    devices, nodes = (int(_number(section, key, f"{where}: flat_ring")) for key in ("devices", "nodes"))
+    return devices, nodes
+
+
+def _matmul_rates(section: Any, where: str) -> dict[str, MatmulRates] | None:
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        return dict.fromkeys(MATMUL_DTYPES, _widths(section, where))
+    unknown = sorted(set(section) - set(MATMUL_DTYPES))
+    if unknown:
+        raise ClusterConfigError(f"{where}: unknown dtype(s) {unknown}; use {', '.join(MATMUL_DTYPES)}")
+    return {dtype: _widths(rows, f"{where}.{dtype}") for dtype, rows in section.items()}
+
+
+def _widths(section: Any, where: str) -> MatmulRates:
+    """Rows for every width, or a mapping of widths to rows."""
+    if not isinstance(section, Mapping):
+        return MatmulRates({0: BandwidthTable.from_rows(section, where)})
+    if not section or any(isinstance(w, bool) or not isinstance(w, int) or w <= 0 for w in section):
+        found = sorted(map(str, section))
+        raise ClusterConfigError(f"{where}: widths must be positive integers, got {found}")
+    return MatmulRates({w: BandwidthTable.from_rows(rows, f"{where}.{w}") for w, rows in section.items()})
+
+
+def _memory_passes(section: Any, where: str) -> dict[str, float] | None:
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        raise ClusterConfigError(f"{where}: memory_passes must be a mapping of {', '.join(PASS_KEYS)}")
+    unknown = sorted(set(section) - set(PASS_KEYS))
+    if unknown:
+        raise ClusterConfigError(f"{where}: unknown memory_passes key(s) {unknown}; use {PASS_KEYS}")
+    found = {}
+    for key in PASS_KEYS:
+        value = section.get(key, PASS_DEFAULTS.get(key, 0.0))
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ClusterConfigError(f"{where}: memory_passes.{key} = {value!r} is not a number")
+        if value < 0 or (key == "bandwidth_gbps" and value == 0):
+            raise ClusterConfigError(f"{where}: memory_passes.{key} must be positive, got {value}")
+        found[key] = float(value)
+    return found
+
+
+def load(path: str | Path) -> ClusterConfig:
+    """Read a cluster YAML: a file, or a shipped config by name (`a800-8x-ib800`; see `config_files`)."""
+    path = config_files.find("clusters", path, ClusterConfigError)
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ClusterConfigError(f"{path} is not valid YAML ({one_line(error)}); fix its syntax") from None
+    if not isinstance(values, dict):
+        raise ClusterConfigError(f"{path} is not a mapping of cluster settings (name, nodes, device, ...)")
+    return from_dict(values, str(path))
+
+
+def for_cluster(cluster: Cluster) -> ClusterConfig:
+    """Hardware for a bare `Cluster`: the shipped cluster config of its name if any, else `cpu-sim`."""
+    config = load(cluster.name if cluster.name in config_files.shipped("clusters") else "cpu-sim")
+    return config.with_shape(cluster.nodes, cluster.devices_per_node)
+
+
+# GPU models that share another's compute and memory (NVIDIA's export variants cut only NVLink).
+_SAME_GPU = {"A800": "A100", "H800": "H100"}
+_GPU_MODEL = re.compile(r"\b([A-Z]\d{2,3})\b")
+
+
+def _gpu_model(name: str) -> str | None:
+    found = _GPU_MODEL.search(name.replace("-", " "))
+    return found and _SAME_GPU.get(found.group(1), found.group(1))
+
+
+def for_device_kind(device_kind: str, nodes: int, devices_per_node: int) -> ClusterConfig | None:
+    """The shipped cluster config of a GPU's model (`NVIDIA A100-SXM4-80GB`: `a800-8x-ib800`, the A800
+    having the A100's compute and memory), shaped to `nodes` × `devices_per_node`; None for another."""
+    model = _gpu_model(device_kind)
+    for name in config_files.shipped("clusters"):
+        config = load(name)
+        if model and _gpu_model(config.device_name) == model:
+            return config.with_shape(nodes, devices_per_node)
+    return None

@@ -1,0 +1,1 @@
+"""The training application: config, loop, data, checkpoints, export and multi-host set-up."""
