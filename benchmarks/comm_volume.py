@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from amsp_jax import cost
 from amsp_jax.compiled import audit
 from amsp_jax.core.mesh import plan_axes
 from amsp_jax.core.plan import Plan
 from amsp_jax.core.space import AMSP_PUBLISHED, PRESETS, Cluster, Strategy, preset
-from amsp_jax.cost import model as cost
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from amsp_jax.trainer import Trainer
 

@@ -28,11 +28,11 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from amsp_jax import cost
 from amsp_jax.compiled import audit, gpu_target, xla
 from amsp_jax.core.mesh import plan_axes
 from amsp_jax.core.plan import Plan
 from amsp_jax.core.space import AMSP_PUBLISHED, PRESETS, Cluster, Strategy, ddp, preset
-from amsp_jax.cost import model as cost
 from amsp_jax.cost.hardware import load as load_cluster
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from amsp_jax.trainer import Trainer

@@ -47,10 +47,10 @@ import yaml
 from jax.sharding import NamedSharding
 
 import amsp_jax as aj
+from amsp_jax import cost
 from amsp_jax.compiled import audit, gpu_target, hlo, xla
 from amsp_jax.core import config_files
 from amsp_jax.core.mesh import batch_spec
-from amsp_jax.cost import model as cost
 from amsp_jax.cost import timing
 from amsp_jax.cost.hardware import ClusterConfig, from_dict, load
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _leaves(config: Any) -> list[tuple[tuple[str, ...], tuple[int, ...], bool]]:
-    from amsp_jax.cost.model import llama_workload
+    from amsp_jax.cost import llama_workload
 
     return [(leaf.path, leaf.shape, leaf.stacked) for leaf in llama_workload(config, 1).leaves]
 
@@ -162,8 +162,8 @@ def check_leaves(cluster: Any, strategy: str, config: Any, kind: str, only: str 
     import numpy as np
 
     import amsp_jax as aj
+    from amsp_jax import cost
     from amsp_jax.core import mesh as sharding
-    from amsp_jax.cost import model as cost
     from amsp_jax.cost import optimizer as optimizer_cost
 
     layout = sharding.make_layout(cluster, aj.resolve(strategy, cluster))

@@ -38,9 +38,8 @@ from pathlib import Path
 import jax
 
 import amsp_jax as aj
-from amsp_jax import cli
+from amsp_jax import cli, cost
 from amsp_jax.compiled import audit
-from amsp_jax.cost import model as cost
 from amsp_jax.cost import timing
 from amsp_jax.cost.hardware import load
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 from jax._src.ad_checkpoint import saved_residuals
 
-from amsp_jax.cost.model import activation_bytes, llama_workload
+from amsp_jax.cost import activation_bytes, llama_workload
 from amsp_jax.models.llama import Block, LlamaConfig, rope_tables
 
 SEQ = 256

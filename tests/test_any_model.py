@@ -16,8 +16,8 @@ import pytest
 from flax import traverse_util
 
 import amsp_jax as aj
+from amsp_jax import cost
 from amsp_jax.compiled import audit
-from amsp_jax.cost import model as cost
 from amsp_jax.layers.stack import LayerContext, StackOps, layer_context, linen_blocks
 from amsp_jax.models.llama import cross_entropy
 from tests import model_zoo

@@ -10,10 +10,10 @@ import numpy as np
 import optax
 import pytest
 
+from amsp_jax import cost
 from amsp_jax.compiled import audit
 from amsp_jax.core.plan import Plan
 from amsp_jax.core.space import Cluster, preset
-from amsp_jax.cost import model as cost
 from amsp_jax.cost import timing
 from amsp_jax.models import attention
 from amsp_jax.models.llama import Llama, LlamaConfig, ModelConfigError, make_loss_fn

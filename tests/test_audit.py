@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
+from amsp_jax import cost
 from amsp_jax.compiled import audit
 from amsp_jax.core.schedule import MIN_PREFETCH_LAYERS
-from amsp_jax.cost import model as cost
 from tests.helpers import STRATEGIES, TINY, set_up, train_data
 from tests.train_helpers import child_env
 

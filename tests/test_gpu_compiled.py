@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import optax
 import pytest
 
+from amsp_jax import cost
 from amsp_jax.cli import main as cli_main
 from amsp_jax.compiled import audit, gpu_target, hlo, xla
 from amsp_jax.core.plan import Plan
 from amsp_jax.core.space import PRESETS, Cluster, Strategy, preset
-from amsp_jax.cost import model as cost
 from amsp_jax.models import attention
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from amsp_jax.trainer import Trainer

@@ -16,9 +16,9 @@ import optax
 import pytest
 
 import amsp_jax as aj
+from amsp_jax import cost
 from amsp_jax.compiled import audit
 from amsp_jax.core.schedule import BACKWARD_GATHER, FORWARD_GATHER, OTHER_GATHER
-from amsp_jax.cost import model as cost
 from amsp_jax.models import llama
 from amsp_jax.models.llama import Llama, LlamaConfig, cross_entropy, embedding_lookup, make_loss_fn
 from amsp_jax.run.checkpoint import Checkpointer

@@ -17,10 +17,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import amsp_jax as aj
+from amsp_jax import cost
 from amsp_jax.compiled import audit
 from amsp_jax.core import optim_state
 from amsp_jax.core.schedule import UPDATE
-from amsp_jax.cost import model as cost
 from amsp_jax.cost import optimizer as optimizer_cost
 from amsp_jax.models.llama import Llama, make_loss_fn, muon_dimension_numbers
 from amsp_jax.run.checkpoint import Checkpointer

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import amsp_jax as aj
+from amsp_jax import cost
 from amsp_jax.compiled import audit
-from amsp_jax.cost import model as cost
-from amsp_jax.cost import workload
+from amsp_jax.cost import trace as workload
 from amsp_jax.cost.hardware import load as load_cluster
 from tests import model_zoo
 from tests.helpers import optimizer

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import amsp_jax as aj
+from amsp_jax import cost
 from amsp_jax.compiled import audit
 from amsp_jax.core import schedule
-from amsp_jax.cost import model as cost
 from amsp_jax.cost.hardware import load
 from amsp_jax.models.llama import Llama, make_loss_fn
 from amsp_jax.planner import partitioner

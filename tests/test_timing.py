@@ -13,11 +13,11 @@ import pytest
 import yaml
 
 import amsp_jax as aj
+from amsp_jax import cost
 from amsp_jax.compiled import audit, hlo
 from amsp_jax.core.mesh import plan_axes
 from amsp_jax.core.space import Cluster, Strategy
-from amsp_jax.cost import model as cost
-from amsp_jax.cost import timing
+from amsp_jax.cost import llama_workload, predict, timing
 from amsp_jax.cost.hardware import (
     KINDS,
     LEVELS,
@@ -29,7 +29,6 @@ from amsp_jax.cost.hardware import (
     load,
     parse_size,
 )
-from amsp_jax.cost.model import llama_workload, predict
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 
 MODEL = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176)
@@ -408,7 +407,7 @@ def test_an_untied_input_embedding_is_looked_up_not_multiplied():
 
 @pytest.mark.parametrize("style", ["loop", "scan", "stack", "nnx list", "nnx scan"])
 def test_a_traced_models_token_embedding_is_its_only_looked_up_leaf(style):
-    from amsp_jax.cost import workload
+    from amsp_jax.cost import trace as workload
     from tests import model_zoo
 
     spec = workload.trace(model_zoo.model(style), (np.zeros((2, 8), np.int32),))

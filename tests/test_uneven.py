@@ -15,11 +15,11 @@ import optax
 import pytest
 
 import amsp_jax as aj
+from amsp_jax import cost
 from amsp_jax.compiled import audit
 from amsp_jax.core import config_files, optim_state
 from amsp_jax.core.mesh import leaf_layout, plan_axes
 from amsp_jax.core.space import COMPONENTS
-from amsp_jax.cost import model as cost
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from amsp_jax.run.checkpoint import Checkpointer, load_params
 from tests.helpers import CLUSTER, batches, max_relative_error, optimizer, reference

@@ -86,10 +86,10 @@ def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
     import optax
 
+    from amsp_jax import cost
     from amsp_jax.compiled import audit, gpu_target
     from amsp_jax.core.plan import Plan
     from amsp_jax.core.space import PRESETS, Cluster, Strategy, preset
-    from amsp_jax.cost import model as cost
     from amsp_jax.models.llama import Llama, LlamaConfig, ModelConfigError, make_loss_fn
     from amsp_jax.trainer import Trainer
 

@@ -11,7 +11,7 @@ from amsp_jax.core.config_files import shipped
 from amsp_jax.core.plan import REMAT_POLICIES
 from amsp_jax.core.space import resolve
 from amsp_jax.cost.optimizer import KINDS
-from amsp_jax.cost.workload import from_entry_point
+from amsp_jax.cost.trace import from_entry_point
 from amsp_jax.planner.partitioner import (
     GIB,
     Evaluated,

@@ -85,8 +85,8 @@ def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Prob
     import optax
 
     import amsp_jax as aj
+    from amsp_jax import cost
     from amsp_jax.compiled import audit, hlo
-    from amsp_jax.cost import model as cost
     from amsp_jax.cost import timing
     from amsp_jax.models.llama import Llama, make_loss_fn
 

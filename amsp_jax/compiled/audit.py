@@ -23,12 +23,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from amsp_jax import cost
 from amsp_jax.compiled import hlo
 from amsp_jax.core.backend import selects_in_place
 from amsp_jax.core.mesh import AxisPlan
-from amsp_jax.cost import model as cost
 from amsp_jax.cost import optimizer as optimizer_cost
-from amsp_jax.cost.workload import trace
+from amsp_jax.cost.trace import trace
 from amsp_jax.layers.stack import FIRST_LAYER_SCOPE, STACK_PARAM
 
 # Compiled memory on the CPU backend vs the cost model's estimate (activations and temporaries are an
@@ -378,7 +378,7 @@ def audit_trainer(
 ) -> Report:
     """Compile a set-up `trainer`'s step for `batch` (shapes suffice) and compare it with the cost model.
 
-    `dims` (for the memory and time model) default to those `amsp_jax.cost.workload.trace` infers from the
+    `dims` (for the memory and time model) default to those `amsp_jax.cost.trace.trace` infers from the
     trainer's model.
     """
     if dims is None:

@@ -3,7 +3,7 @@
 A `Schedule` lists, for every parameter leaf, each collective the step issues: its kind, the mesh
 axes of the group, the dimension it splits or joins, the element count and dtype of its input on one
 device, how many times it runs per step and in which phase. `amsp_jax.trainer` executes these ops
-(through `amsp_jax.step.collectives.execute`), `amsp_jax.cost.model` counts their bytes and memory,
+(through `amsp_jax.step.collectives.execute`), `amsp_jax.cost` counts their bytes and memory,
 `amsp_jax.cost.timing` prices them, and `amsp_jax.compiled.audit` checks the compiled program against
 them. The rules that decide what runs are here and nowhere else:
 
@@ -94,7 +94,7 @@ def keeps_first_layer(micro_batches: int, layers: int, implementation: Implement
     once per step with the leaves outside the layers, runs outside the loop on those weights, and its
     gradient is summed in fp32 over the micro-batches and reduce-scattered once after them; the loop
     then starts and ends beside the first layer's compute. It costs the gathered layer and an fp32
-    copy of it for the whole step (`amsp_jax.cost.model.memory`), so it is a choice, off by default.
+    copy of it for the whole step (`amsp_jax.cost.device_memory.memory`), so it is a choice, off by default.
     """
     return implementation.keep_first_layer and micro_batches > 1 and layers > 1
 

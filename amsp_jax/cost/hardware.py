@@ -2,7 +2,7 @@
 
 A cluster config says what one device can hold and compute, and how fast each collective kind runs
 inside a node and across nodes. Bandwidths are nccl-tests *bus* bandwidths, indexed by the bytes one
-device sends in one collective — exactly what `amsp_jax.cost.model` counts per execution — so the time of
+device sends in one collective — exactly what `amsp_jax.cost` counts per execution — so the time of
 a collective is simply `bytes_per_device / busbw(bytes_per_device)` (nccl-tests PERFORMANCE.md: for a
 ring all-gather or reduce-scatter busbw = algbw·(n−1)/n, and the per-device ring bytes are
 S·(n−1)/n, so S/algbw = bytes/busbw; for all-reduce both carry 2(n−1)/n). Between table sizes the

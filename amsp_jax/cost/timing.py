@@ -1,6 +1,6 @@
 """The time model: step time, tokens/s and MFU from the cost model's bytes and a cluster's hardware.
 
-Built on `amsp_jax.cost.model`, never beside it: the bytes of every collective come from `cost.leaf_ops`
+Built on `amsp_jax.cost`, never beside it: the bytes of every collective come from `cost.leaf_ops`
 (the step's schedule: the same numbers the audit checks against the compiled program), regrouped by
 the compute they can hide behind. Each group of ops is priced by its kind, link level, group size and
 nodes spanned: `launches × latency(kind, group, nodes) + bytes / busbw(bytes / launches)` (NCCL's ring
@@ -76,21 +76,12 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 
 from amsp_jax.core.mesh import AxisPlan
-from amsp_jax.core.schedule import COLLECTIVE_PERMUTE, Op, grad_dtype
+from amsp_jax.core.schedule import COLLECTIVE_PERMUTE, PHASES, Op, grad_dtype
+from amsp_jax.cost.device_memory import Memory
 from amsp_jax.cost.hardware import PASS_DEFAULTS, SPLIT_RESULTS, STORED_PARAMS, ClusterConfig
-from amsp_jax.cost.model import (
-    FP32,
-    PHASES,
-    LeafShape,
-    Memory,
-    Prediction,
-    Transfer,
-    Workload,
-    issued,
-    largest_gather_bytes,
-    leaf_ops,
-    predict,
-)
+from amsp_jax.cost.prediction import Prediction, predict
+from amsp_jax.cost.traffic import Transfer, issued, largest_gather_bytes, leaf_ops
+from amsp_jax.cost.workload import FP32, LeafShape, Workload
 
 FORWARD_GATHER = "P gather, layers (forward)"
 BACKWARD_GATHER = "P re-gather, layers (backward)"

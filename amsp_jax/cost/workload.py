@@ -1,149 +1,200 @@
-"""What planning needs to know of a model, traced from the model itself.
-
-`trace(model, example_inputs)` reads the parameter leaves and the layers (the same `find_layers` the
-step uses, so the plan gathers what the step gathers) from one abstract `init`, and infers the few
-dimensions the FLOP and activation model needs: layers, width, heads, MLP width, vocabulary. Each can
-be given instead (`dims=`). A `LlamaConfig` is the other source (`amsp_jax.cost.model.llama_workload`): its
-dimensions are known exactly.
-"""
+"""What the cost model knows of a model: its parameter leaves and transformer dimensions, with the
+step's batch, precision, remat and implementation choices (`Workload`)."""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import importlib
-import importlib.util
-import os
-import sys
-from pathlib import Path
-from typing import Any
-
-import jax
-import numpy as np
-from flax import traverse_util
+import math
+from collections.abc import Iterable
 
 from amsp_jax.core.plan import Precision
-from amsp_jax.cost.model import LeafShape, ModelDims, Workload
-from amsp_jax.layers.stack import Layers, find_layers
+from amsp_jax.core.schedule import Implementation
+from amsp_jax.cost.optimizer import ELEMENT_WISE, OptimizerUpdate
 
-LeafPath = tuple[Any, ...]
+FP32 = 4
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """A traced model as the planner sees it: its leaves (with how each is gathered) and dimensions."""
+class LeafShape:
+    """One parameter leaf: its path, full shape, and whether it is a layer stack (leading layer axis)."""
 
-    name: str
+    path: tuple[str, ...]
+    shape: tuple[int, ...]
+    stacked: bool
+    per_layer: bool | None = None  # gathered one layer at a time; None: when stacked
+    regathered: bool = True  # gathered again in the backward pass (False: the backward never reads it)
+    frozen: bool = False  # not trained: no gradient, no optimizer state, never refreshed
+    unit: tuple[str, ...] | None = None  # the stack or block a per-layer leaf is gathered with
+    layer_stack: bool = False  # a `LayerStack`'s (its own layer loop; may keep its first layer)
+    looked_up: bool = False  # only indexed (an untied input embedding): the step runs no matmul with it
+
+    @property
+    def size(self) -> int:
+        """Elements of the whole leaf."""
+        return math.prod(self.shape)
+
+    @property
+    def layer_group(self) -> tuple[str, ...] | None:
+        """What the step gathers this leaf with, one layer at a time: its stack or block (alone where
+        none is named); None for a leaf gathered once per step."""
+        per_layer = self.stacked if self.per_layer is None else self.per_layer
+        return (self.unit or self.path) if per_layer else None
+
+
+def looped_blocks(leaves: Iterable[LeafShape]) -> bool:
+    """Whether a model's layers are blocks called one by one (gathered per layer, not stacked)."""
+    return any(leaf.per_layer and not leaf.stacked for leaf in leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDims:
+    """The transformer dimensions that set FLOPs and activation memory, and the attention's kind.
+
+    `attention` is `LlamaConfig.attention`: `xla` materialises the (seq, seq) scores; `auto`,
+    `cudnn` and `blockwise` are flash-style (`amsp_jax.models.attention`). The cost model counts
+    `auto` as cuDNN's (what it runs on a GPU in bf16; elsewhere it runs blockwise, whose one block of
+    scores is then not counted).
+    """
+
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    attention: str = "auto"
+    attention_block: int = 512
+
+    @property
+    def materialises_scores(self) -> bool:
+        """Whether the attention holds (seq, seq) scores in memory."""
+        return self.attention == "xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model's parameter leaves and dimensions, with the step's batch, precision and remat choices."""
+
     leaves: tuple[LeafShape, ...]
     dims: ModelDims
-    prefetchable: bool  # its layers can prefetch (a LayerStack, or a loop of blocks)
+    seq_len: int
+    micro_batch_size: int
+    micro_batches: int
+    precision: Precision = dataclasses.field(default_factory=Precision)
+    remat: str = "full"
+    opt_state_bytes_per_param: int = 2 * FP32
+    # XLA's CPU backend runs 16-bit collectives in fp32 (seen in compiled HLO); 4 models that there.
+    min_collective_itemsize: int = 1
+    implementation: Implementation = dataclasses.field(default_factory=Implementation)
+    # What the optimizer's update communicates (`amsp_jax.cost.optimizer`); default element-wise: nothing.
+    optimizer: OptimizerUpdate = ELEMENT_WISE
+    # Whether XLA writes the new master and moments over the old (`core.backend.selects_in_place`):
+    # a GPU does; XLA:CPU builds the new state beside the old.
+    update_in_place: bool = True
+    # The backend the step compiles for: which collectives XLA merges (`schedule.launches`).
+    platform: str = "gpu"
 
+    def wire_bytes(self, itemsize: int) -> int:
+        """Bytes per element on the wire for a tensor of `itemsize`."""
+        return max(itemsize, self.min_collective_itemsize)
+
+    @property
     def num_params(self) -> int:
-        """Parameters of the traced model."""
+        """Parameter count."""
         return sum(leaf.size for leaf in self.leaves)
 
     @property
-    def n_layers(self) -> int:
-        """Layers, as the FLOP and activation model counts them."""
-        return self.dims.n_layers
+    def matmul_params(self) -> int:
+        """Parameters the step multiplies with: all but the looked-up ones (an untied input embedding)."""
+        return sum(leaf.size for leaf in self.leaves if not leaf.looked_up)
 
-    def workload(
-        self, seq_len: int, micro_batch_size: int, micro_batches: int, precision: Precision, remat: str
-    ) -> Workload:
-        """The cost model's workload for one choice of batching, precision and remat."""
-        return Workload(self.leaves, self.dims, seq_len, micro_batch_size, micro_batches, precision, remat)
+    @property
+    def looped_blocks(self) -> bool:
+        """Whether the layers are blocks called one by one, not a stack (`looped_blocks`)."""
+        return looped_blocks(self.leaves)
 
+    def tokens_per_device(self) -> int:
+        """Tokens one device processes per step."""
+        return self.seq_len * self.micro_batch_size * self.micro_batches
 
-def _leaves(layers: Layers) -> tuple[LeafShape, ...]:
-    flat = traverse_util.flatten_dict(dict(layers.abstract_params))
-    stacks = layers.stacked
-    unused = layers.backward_unused
+    def flops_per_token(self) -> int:
+        """Model FLOPs per token, forward and backward: 6Φ + 12·L·H·Q·T (Megatron/PaLM convention), Φ
+        the parameters the step multiplies with (`matmul_params`).
 
-    def under(path: LeafPath, roots: Any) -> LeafPath | None:
-        return next((r for r in roots if path[: len(r)] == r), None)
+        An untied input embedding is looked up, not multiplied: Megatron-LM's formula counts the
+        output projection once and no input embedding, and torchtitan (whose published MFU this
+        repository compares with) takes the token embedding out of Φ. A tied one is the output
+        projection and counts once. The same for every attention implementation: no causal halving,
+        no recomputation (those are `attention_square_fraction`, `attention_recompute_flops_per_token`
+        and the time model's remat terms).
+        """
+        d = self.dims
+        return 6 * self.matmul_params + 12 * d.n_layers * d.n_heads * d.head_dim * self.seq_len
 
-    return tuple(
-        LeafShape(
-            path, tuple(x.shape), under(path, stacks) is not None,
-            under(path, (*stacks, *layers.blocks)) is not None, path not in unused,
-            unit=under(path, (*stacks, *layers.blocks)), layer_stack=under(path, layers.stacks) is not None,
-            looked_up=path in layers.looked_up,
-        )
-        for path, x in flat.items()
-    )
+    def attention_square_fraction(self) -> float:
+        """The fraction of the (seq, seq) score square whose matmuls the attention runs.
 
+        The materialising attention runs all of it and masks the upper triangle. A flash-style kernel
+        skips every tile above the diagonal (FlashAttention-2, arXiv 2307.08691 §3.1: the causal kernel
+        runs 1.7–1.8× faster than the unmasked one). Counted at the blockwise attention's tiling
+        (`attention_block`, padding included), which is exact for it; cuDNN's tiles are smaller, so it
+        skips a little more than counted.
+        """
+        d = self.dims
+        if d.materialises_scores:
+            return 1.0
+        blocks = -(-self.seq_len // d.attention_block)
+        block = -(-self.seq_len // blocks)
+        return blocks * (blocks + 1) // 2 * block * block / self.seq_len**2
 
-def infer_dims(layers: Layers, leaves: tuple[LeafShape, ...], vocab: int) -> ModelDims:
-    """Layers, width, heads, MLP width and vocabulary read off the traced model.
+    def attention_recompute_flops_per_token(self) -> int:
+        """FLOPs per token a flash-style attention's backward adds: it recomputes the scores Q·Kᵀ.
 
-    Layers: blocks (a scanned block counts its length). Width: the blocks' input width, else the most
-    common length of the layers' vectors (norm scales, biases). Heads: from a per-layer (width, heads,
-    head size) kernel (Flax attention), else width / 64. MLP width: the largest per-layer matrix
-    dimension other than the width, else 4 × width. Attention is counted as materialising its scores
-    (as Flax's `MultiHeadDotProductAttention` and `nnx.MultiHeadAttention` do).
-    """
-    per_layer = [leaf for leaf in leaves if leaf.per_layer]
+        Its backward runs five (seq, seq)-sized matmuls (Q·Kᵀ again, dV, dP, dQ, dK) where the
+        materialising one runs four, so 2·L·H·Q·T more per token over the whole square; the kernel
+        runs `attention_square_fraction` of it.
+        """
+        return 0 if self.dims.materialises_scores else self.attention_run_flops_per_token(2)
 
-    def length(root: LeafPath) -> int:
-        return next(x.shape[0] for x in leaves if x.path[: len(root)] == root)
+    def attention_run_flops_per_token(self, per_square: int) -> int:
+        """FLOPs per token the kernel runs of attention matmuls worth `per_square`·L·H·Q·T over the whole
+        (seq, seq) square (12 for a forward and backward): `attention_square_fraction` of them."""
+        d = self.dims
+        square = per_square * d.n_layers * d.n_heads * d.head_dim * self.seq_len
+        return round(square * self.attention_square_fraction())
 
-    n_layers = sum(length(p) if b.stacked else 1 for p, b in layers.blocks.items())
-    n_layers += sum(length(s) for s in layers.stacks)
-    shapes = [leaf.shape[1:] if leaf.stacked else leaf.shape for leaf in per_layer]
-    shapes = shapes or [x.shape for x in leaves]
-    inputs = [b.input_shape[-1] for b in layers.blocks.values() if b.input_shape]
-    vectors = collections.Counter(s[0] for s in shapes if len(s) == 1).most_common(1)
-    widths = [*inputs, *(width for width, _ in vectors)]
-    dim = widths[0] if widths else max(max(s) for s in shapes)
-    kernels = [s[1] for s in shapes if len(s) == 3 and s[0] == dim and s[1] * s[2] == dim]
-    heads = kernels[0] if kernels else max(1, dim // 64)
-    ffn = max((d for s in shapes if len(s) == 2 for d in s if d != dim), default=4 * dim)
-    return ModelDims(max(n_layers, 1), dim, heads, heads, dim // heads, ffn, vocab, attention="xla")
-
-
-def trace(
-    model: Any,
-    example_inputs: tuple[Any, ...],
-    layers: tuple[type, ...] | None = None,
-    dims: ModelDims | None = None,
-    name: str | None = None,
-) -> ModelSpec:
-    """The `ModelSpec` of a Flax model (linen, or nnx behind `NnxModel`) called on `example_inputs`."""
-    key = jax.random.key(0)
-    found = find_layers(model, key, example_inputs, layers)
-    leaves = _leaves(found)
-    if dims is None:
-        out = jax.eval_shape(
-            lambda p: model.apply({"params": p}, *example_inputs), found.abstract_params
-        )
-        vocab = int(np.shape(jax.tree.leaves(out)[0])[-1])
-        dims = infer_dims(found, leaves, vocab)
-    prefetchable = bool(found.stacks) or any(not b.stacked for b in found.blocks.values())
-    return ModelSpec(name or type(model).__name__, leaves, dims, prefetchable)
+    def with_(self, **changes: object) -> Workload:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
 
 
+def llama_workload(
+    config: object,
+    seq_len: int,
+    micro_batch_size: int = 1,
+    micro_batches: int = 1,
+    precision: Precision | str = "mixed",
+    remat: str = "full",
+) -> Workload:
+    """The workload of `amsp_jax.models.llama.Llama(config)` (same leaves as the Flax model)."""
+    c = config
+    leaves = [LeafShape(("embed",), (c.vocab_size, c.dim), False, looked_up=not c.tie_embeddings)]
+    leaves += [
+        LeafShape(("layers", "layer", name), (c.n_layers, *shape), True, unit=("layers",), layer_stack=True)
+        for name, shape in c.layer_shapes().items()
+    ]
+    leaves.append(LeafShape(("norm",), (c.dim,), False))
+    if not c.tie_embeddings:
+        leaves.append(LeafShape(("lm_head",), (c.dim, c.vocab_size), False))
+    precision = Precision.named(precision) if isinstance(precision, str) else precision
+    return Workload(tuple(leaves), llama_dims(c), seq_len, micro_batch_size, micro_batches, precision, remat)
 
-def from_entry_point(text: str) -> ModelSpec:
-    """The `ModelSpec` a Python entry point makes: `module:function` or `path/to/file.py:function`.
 
-    The function takes no arguments and returns `(model, example_inputs)` (a Flax linen model or an
-    `NnxModel`, and the tuple of inputs its `init` takes) or a `ModelSpec`.
-    """
-    location, _, attribute = text.rpartition(":")
-    if not location or not attribute:
-        raise ValueError(f"{text!r} is not an entry point; write module:function or file.py:function")
-    if location.endswith(".py"):
-        spec = importlib.util.spec_from_file_location(Path(location).stem, location)
-        if spec is None or spec.loader is None or not Path(location).is_file():
-            raise ValueError(f"entry point {text!r}: no Python file {location}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses (Flax modules) look their module up there
-        spec.loader.exec_module(module)
-    else:
-        sys.path.insert(0, os.getcwd())
-        module = importlib.import_module(location)
-    made = getattr(module, attribute)()
-    if isinstance(made, ModelSpec):
-        return made
-    model, example_inputs = made
-    return trace(model, tuple(example_inputs), name=f"{type(model).__name__} ({text})")
+def llama_dims(config: object) -> ModelDims:
+    """The `ModelDims` of a `LlamaConfig`."""
+    c = config
+    return ModelDims(
+        c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.vocab_size,
+        c.attention, c.attention_block,
+    )  # fmt: skip

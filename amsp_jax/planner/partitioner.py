@@ -2,7 +2,7 @@
 
 `choose(model, cluster, nodes, seq_len=..., global_batch_tokens=...)` is the entry point. It builds
 the *decomposed* time and memory model (`Terms`), solves an ILP over it (pulp, HiGHS), and re-evaluates
-the winner with the full cost and time models (`amsp_jax.cost.model`, `amsp_jax.cost.timing`).
+the winner with the full cost and time models (`amsp_jax.cost`, `amsp_jax.cost.timing`).
 
 Why the decomposition is exact. Under the whole-node rule every component's collectives run over
 one intra-node run of `intra` devices and one inter-node run of `inter` nodes, so each phase's bytes
@@ -52,19 +52,19 @@ from amsp_jax.core.mesh import plan_axes, shard_dims
 from amsp_jax.core.plan import REMAT_POLICIES, Plan, Precision
 from amsp_jax.core.schedule import UPDATE, Implementation, Op, accumulates, params_from_master, uses_prefetch
 from amsp_jax.core.space import Cluster, Placement, Strategy, preset
-from amsp_jax.cost import optimizer as optimizer_cost
-from amsp_jax.cost import timing
-from amsp_jax.cost.hardware import ClusterConfig, for_cluster
-from amsp_jax.cost.hardware import load as load_cluster
-from amsp_jax.cost.model import (
+from amsp_jax.cost import (
     Workload,
     largest_gather_bytes,
     leaf_ops,
     llama_workload,
     looped_blocks,
     memory,
+    timing,
 )
-from amsp_jax.cost.workload import ModelSpec
+from amsp_jax.cost import optimizer as optimizer_cost
+from amsp_jax.cost.hardware import ClusterConfig, for_cluster
+from amsp_jax.cost.hardware import load as load_cluster
+from amsp_jax.cost.trace import ModelSpec
 from amsp_jax.models.llama import LlamaConfig, ModelConfigError, muon_dimension_numbers
 
 GIB = 2**30

@@ -1,4 +1,4 @@
-"""Plan any Flax model: trace it (`amsp_jax.cost.workload`), then ask the partitioner for the fastest fit."""
+"""Plan any Flax model: trace it (`amsp_jax.cost.trace`), then ask the partitioner for the fastest fit."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 
 from amsp_jax.core.plan import Plan, Precision
 from amsp_jax.core.space import Cluster
+from amsp_jax.cost import ModelDims
 from amsp_jax.cost.hardware import ClusterConfig
-from amsp_jax.cost.model import ModelDims
-from amsp_jax.cost.workload import trace
+from amsp_jax.cost.trace import trace
 from amsp_jax.planner import partitioner
 
 

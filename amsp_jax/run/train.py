@@ -38,8 +38,8 @@ from amsp_jax.core.plan import REMAT_POLICIES, Plan
 from amsp_jax.core.schedule import accumulates, grad_dtype
 from amsp_jax.core.space import COMPONENTS, Cluster, Strategy, resolve, zero3
 from amsp_jax.cost import hardware as cluster_config
+from amsp_jax.cost import llama_workload
 from amsp_jax.cost.hardware import ClusterConfig
-from amsp_jax.cost.model import llama_workload
 from amsp_jax.errors import AmspError, check_field_types, one_line
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from amsp_jax.run import data as data_lib
@@ -270,7 +270,7 @@ def auto_plan(
             config.remat,
             "auto: no hardware config for this cluster (give --cluster, a cluster YAML or name), so zero3",
         )
-    from amsp_jax.cost.model import llama_dims
+    from amsp_jax.cost import llama_dims
     from amsp_jax.planner import partitioner
     from amsp_jax.planner.search import choose
 
