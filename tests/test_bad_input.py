@@ -75,14 +75,16 @@ FILES: dict[str, str | bytes] = {
     "kv-heads.yaml": "".join(f"{k}: {v}\n" for k, v in {**TINY_YAML, "n_kv_heads": 3}.items()),
     "cluster-nodes.yaml": Path(CPU_SIM).read_text().replace("nodes: 2", "nodes: many", 1),
     "cluster-device.yaml": "name: x\nnodes: 2\ndevices_per_node: 4\ndevice: 80GB\n",
-    "train-unclosed.yaml": "steps: {10\n",
-    "train-steps.yaml": "steps: ten\n",
-    "train-lr.yaml": "learning_rate: -0.1\n",
-    "train-eval.yaml": "eval_every: 0\n",
-    "train-unknown.yaml": "stepz: 3\n",
+    "train-unclosed.yaml": "run:\n  steps: {10\n",
+    "train-steps.yaml": "run:\n  steps: ten\n",
+    "train-lr.yaml": "optimizer:\n  learning_rate: -0.1\n",
+    "train-eval.yaml": "run:\n  eval_every: 0\n",
+    "train-unknown.yaml": "run:\n  stepz: 3\n",
+    "train-flat.yaml": "steps: 3\n",
+    "train-section.yaml": "run: 3\n",
     "train-list.yaml": "- steps\n",
-    "train-precision.yaml": "precision: bf16\n",
-    "train-bad-steps.yaml": "stop_after_bad_steps: 0\n",
+    "train-precision.yaml": "plan:\n  precision: bf16\n",
+    "train-bad-steps.yaml": "run:\n  stop_after_bad_steps: 0\n",
     "garbage.npy": os.urandom(4096),
     "floats.npy": b"",  # written by numpy below
     "wide.bin": np.arange(200, 4296, dtype=np.uint16).tobytes(),
@@ -261,25 +263,37 @@ CLI_CASES = [
         "train config value of the wrong type",
         "--config",
         "{dir}/train-steps.yaml",
-        message=r"train-steps\.yaml: steps must be an integer, got 'ten'",
+        message=r"train-steps\.yaml: run\.steps must be an integer, got 'ten'",
     ),
     train_cli(
         "negative learning rate",
         "--config",
         "{dir}/train-lr.yaml",
-        message=r"learning_rate must be a positive number, got -0\.1",
+        message=r"train-lr\.yaml: optimizer\.learning_rate must be a positive number, got -0\.1",
     ),
     train_cli(
         "zero eval interval",
         "--config",
         "{dir}/train-eval.yaml",
-        message=r"train-eval\.yaml: eval_every must be at least 1, got 0",
+        message=r"train-eval\.yaml: run\.eval_every must be at least 1, got 0",
     ),
     train_cli(
         "unknown train setting",
         "--config",
         "{dir}/train-unknown.yaml",
-        message=r"unknown train settings \['stepz'\]",
+        message=r"unknown train settings \['run\.stepz'\]; known in run: steps, ",
+    ),
+    train_cli(
+        "train setting outside its section",
+        "--config",
+        "{dir}/train-flat.yaml",
+        message=r"train-flat\.yaml: steps is a setting of the run section; write it under run:",
+    ),
+    train_cli(
+        "train section not a mapping",
+        "--config",
+        "{dir}/train-section.yaml",
+        message=r"train-section\.yaml: run must be a mapping of its settings \(e\.g\. run: \{steps: 200\}\)",
     ),
     train_cli(
         "train config not a mapping",
@@ -291,13 +305,13 @@ CLI_CASES = [
         "unknown precision in the config",
         "--config",
         "{dir}/train-precision.yaml",
-        message=r"precision 'bf16' is not one of mixed, fp32",
+        message=r"plan\.precision 'bf16' is not one of mixed, fp32",
     ),
     train_cli(
         "zero bad steps allowed",
         "--config",
         "{dir}/train-bad-steps.yaml",
-        message=r"stop_after_bad_steps must be at least 1",
+        message=r"run\.stop_after_bad_steps must be at least 1",
     ),
     train_cli("steps not a number", "--steps", "ten", message=r"--steps: invalid int value: 'ten'"),
     train_cli("zero seq-len", "--seq-len", "0", message=r"--seq-len must be at least 1, got 0"),
@@ -353,7 +367,7 @@ CLI_CASES = [
         "unknown token dtype",
         "--data-dtype",
         "float32",
-        message=r"data_dtype 'float32' is not one of uint16, int32",
+        message=r"data\.dtype 'float32' is not one of uint16, int32",
     ),
     train_cli(
         "cluster shape that does not match the devices",
@@ -463,7 +477,7 @@ def one_device_trainer(loss_fn: Callable[[Any, Any], jax.Array], model: Any) -> 
 def api(nan_run, corpus) -> Api:
     trainer, config = nan_run.result.trainer, nan_run.config
     tokens = amsp_jax.run.data.load_corpus([str(corpus)]).train
-    batch = amsp_jax.run.data.train_batch(tokens, 0, config.global_batch, config.seq_len, [1])
+    batch = amsp_jax.run.data.train_batch(tokens, 0, config.data.global_batch, config.data.seq_len, [1])
     first = Checkpointer(nan_run.run_dir / "checkpoints").restore(trainer, 6).state
     state, _ = trainer.step(first, batch)
     return Api(trainer, state, first, batch)
@@ -552,9 +566,9 @@ API_CASES: list[tuple[str, Callable[[Api], object], type[Exception], str]] = [
     ),
     (
         "a train setting out of range",
-        lambda a: load_config(None, keep_checkpoints=0),
+        lambda a: load_config(None, {"run.keep_checkpoints": 0}),
         ConfigError,
-        r"keep_checkpoints",
+        r"run\.keep_checkpoints must be at least 1, got 0",
     ),
 ]
 
@@ -614,8 +628,8 @@ def poisoned(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> None:
     monkeypatch.setattr(amsp_jax.run.train, "make_loss_fn", loss_fn)
 
 
-def one_device_config(corpus: Path, run_dir: Path, **changes: object) -> amsp_jax.run.train.TrainConfig:
-    return small_run_config(corpus, run_dir, cluster="1x1", **changes)
+def one_device_config(corpus: Path, run_dir: Path) -> amsp_jax.run.train.TrainConfig:
+    return small_run_config(corpus, run_dir, {"plan.cluster": "1x1"})
 
 
 @pytest.fixture(scope="module")
@@ -648,7 +662,7 @@ def test_a_run_resumed_after_a_skipped_step_trains_as_it_did(nan_run, corpus, tm
     shutil.rmtree(run_dir / "checkpoints" / "6")
     poisoned(monkeypatch, set())  # the same loss function, so the same program (compiled once)
     resumed = train(
-        dataclasses.replace(nan_run.config, run_dir=str(run_dir), resume=True),
+        nan_run.config.override({"run.dir": str(run_dir), "run.resume": True}),
         devices=jax.devices()[:1],
         out=io.StringIO(),
     )
@@ -661,7 +675,9 @@ def test_bad_steps_in_a_row_stop_the_run_and_keep_the_last_checkpoint(nan_run, c
     run_dir = shutil.copytree(nan_run.run_dir, tmp_path / "run")
     shutil.rmtree(run_dir / "checkpoints" / "6")
     saved = file_digests(run_dir / "checkpoints")
-    config = dataclasses.replace(nan_run.config, run_dir=str(run_dir), resume=True, stop_after_bad_steps=2)
+    config = nan_run.config.override(
+        {"run.dir": str(run_dir), "run.resume": True, "run.stop_after_bad_steps": 2}
+    )
     poisoned(monkeypatch, {4, 5})
     output = io.StringIO()
     with pytest.raises(DivergedError, match=r"not finite for 2 steps in a row \(steps 4-5\)") as error:
@@ -693,7 +709,7 @@ def test_resuming_a_damaged_checkpoint_prints_one_line_and_exits_cleanly(nan_run
     for data_file in (run_dir / "checkpoints" / "6" / "state").rglob("d/*"):
         data_file.write_bytes(os.urandom(data_file.stat().st_size))
     before = file_digests(run_dir)
-    config = write_config(tmp_path / "config.yaml", dataclasses.replace(nan_run.config, run_dir=str(run_dir)))
+    config = write_config(tmp_path / "config.yaml", nan_run.config.override({"run.dir": str(run_dir)}))
     child = subprocess.run(
         [sys.executable, "-m", "amsp_jax.cli", "train", "--config", str(config), "--resume"],
         env=child_env(1),

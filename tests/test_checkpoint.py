@@ -57,7 +57,7 @@ def corpus(tmp_path_factory):
 def saved_run(corpus, tmp_path_factory):
     """A three-step run with its checkpoint at step 3."""
     run_dir = tmp_path_factory.mktemp("saved") / "run"
-    return run_dir, train(small_run_config(corpus, run_dir, steps=3), out=io.StringIO())
+    return run_dir, train(small_run_config(corpus, run_dir, {"run.steps": 3}), out=io.StringIO())
 
 
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint(saved_run, corpus, tmp_path):
@@ -79,7 +79,9 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint(saved_run, corpus,
     assert Checkpointer(checkpoints).steps() == [1]
 
     # Step 1 restores and training continues exactly as the uninterrupted three-step run did.
-    resumed = train(small_run_config(corpus, run_dir, steps=3, resume=True), out=io.StringIO())
+    resumed = train(
+        small_run_config(corpus, run_dir, {"run.steps": 3, "run.resume": True}), out=io.StringIO()
+    )
     expected = saved_run[1].losses
     np.testing.assert_allclose([resumed.losses[s] for s in (2, 3)], [expected[s] for s in (2, 3)], rtol=1e-6)
     assert Checkpointer(checkpoints).steps() == [1, 3]
@@ -87,7 +89,9 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint(saved_run, corpus,
 
 def test_sigterm_saves_and_exits_cleanly(corpus, tmp_path):
     run_dir = tmp_path / "run"
-    config = small_run_config(corpus, run_dir, steps=100_000, eval_every=100_000, checkpoint_every=100_000)
+    config = small_run_config(
+        corpus, run_dir, {"run.steps": 100_000, "run.eval_every": 100_000, "run.checkpoint_every": 100_000}
+    )
     command = train_command("--config", str(write_config(tmp_path / "config.yaml", config)))
     # No XLA_FLAGS: the command itself asks for the 8 simulated devices.
     child = subprocess.Popen(
@@ -115,7 +119,7 @@ def test_resume_without_a_checkpoint(corpus, tmp_path, capsys):
         "--data",
         str(corpus),
         "--model",
-        small_run_config(corpus, run_dir).model,
+        small_run_config(corpus, run_dir).model.name,
         "--run-dir",
         str(run_dir),
     ]
@@ -130,7 +134,7 @@ def test_resume_without_a_checkpoint(corpus, tmp_path, capsys):
 def resume_fails(run_dir, corpus, capsys, *extra: str) -> str:
     """Resume `run_dir` with the test config and `extra` flags: it must fail and leave every file alone."""
     before = file_digests(run_dir)
-    config = small_run_config(corpus, run_dir, steps=6)
+    config = small_run_config(corpus, run_dir, {"run.steps": 6})
     assert run_train_command(["--config", str(write_config(run_dir.parent / "c.yaml", config)), *extra]) == 2
     assert file_digests(run_dir) == before
     return capsys.readouterr().err

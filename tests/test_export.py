@@ -65,7 +65,7 @@ def corpus(tmp_path_factory):
 def trained_run(corpus, tmp_path_factory):
     """A three-step run on 8 devices under ZeRO-3 (checkpoint at step 3) and its parameters."""
     run_dir = tmp_path_factory.mktemp("export") / "run"
-    result = train(small_run_config(corpus, run_dir, steps=3), out=io.StringIO())
+    result = train(small_run_config(corpus, run_dir, {"run.steps": 3}), out=io.StringIO())
     return run_dir, result.trainer.full_params(result.state)
 
 
@@ -123,7 +123,9 @@ def test_load_params_reads_a_run_or_its_checkpoints(trained_run):
 
 def test_init_from_an_exported_file_starts_another_plan_there(corpus, exported, tmp_path):
     out, _ = exported
-    config = small_run_config(corpus, tmp_path / "run", strategy="p=1x1,g=4x1,os=4x2", init_from=str(out))
+    config = small_run_config(
+        corpus, tmp_path / "run", {"plan.strategy": "p=1x1,g=4x1,os=4x2", "run.init_from": str(out)}
+    )
     run = setup(config)
     run.checkpoints.close()
     assert int(run.state.step) == 0
@@ -140,7 +142,7 @@ def test_init_from_a_file_of_another_model(corpus, exported, tmp_path):
     params["lm_head"] = params["lm_head"][:, :128]
     del params["norm"]
     other = aj.write_params(params, tmp_path / "other.safetensors")
-    config = small_run_config(corpus, tmp_path / "run", init_from=str(other))
+    config = small_run_config(corpus, tmp_path / "run", {"run.init_from": str(other)})
     with pytest.raises(ConfigError, match=r"do not fit this model: lm_head: \(64, 128\) here \(64, 256\); "
                        r"norm: missing here \(64,\)"):  # fmt: skip
         setup(config)

@@ -46,7 +46,9 @@ def free_port() -> int:
 def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
     config = small_run_config(
-        corpus, tmp_path / "two", steps=4, strategy=STRATEGY, eval_every=4, checkpoint_every=4
+        corpus,
+        tmp_path / "two",
+        {"run.steps": 4, "plan.strategy": STRATEGY, "run.eval_every": 4, "run.checkpoint_every": 4},
     )
     flags = ["--config", str(write_config(tmp_path / "config.yaml", config))]
     coordinator = f"localhost:{free_port()}"
@@ -73,7 +75,10 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
     assert "devices     8 x cpu in 2 process(es); cluster 2 nodes x 4 (detected-cpu)" in outputs[0][0]
     assert "amsp-jax train" not in outputs[1][0], "only process 0 prints the plan"
 
-    single = train(small_run_config(corpus, tmp_path / "one", steps=4, strategy=STRATEGY), out=io.StringIO())
+    single = train(
+        small_run_config(corpus, tmp_path / "one", {"run.steps": 4, "plan.strategy": STRATEGY}),
+        out=io.StringIO(),
+    )
     two = metric_losses(tmp_path / "two")
     assert sorted(two) == [1, 2, 3, 4]
     # The same program over the same 8-device mesh; gloo sums across processes in its own order,

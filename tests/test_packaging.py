@@ -83,7 +83,7 @@ def test_every_reader_takes_names(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cluster_config.load("a800-8x-ib800").name == "a800-8x-ib800"
     assert "H100" in gpu_target.target_config("h100-sxm")
-    assert load_config("demo").model == "small"
+    assert load_config("demo").model.name == "small"
     request = partitioner.make_request("tiny", "cpu-sim", seq_len=32, global_batch=8)
     assert request.model.dim == 64
 

@@ -11,9 +11,18 @@ import numpy as np
 import pytest
 
 from amsp_jax.run.checkpoint import Checkpointer
-from amsp_jax.run.train import load_config, train
+from amsp_jax.run.config import (
+    ConfigError,
+    DataSection,
+    OptimizerSection,
+    RunSection,
+    TrainConfig,
+    load_config,
+)
+from amsp_jax.run.train import train
 from tests.train_helpers import (
     REPO,
+    TINY_MODEL,
     metric_losses,
     reused_compilations,
     run_train_command,
@@ -38,7 +47,7 @@ def corpus(tmp_path_factory):
 def straight(corpus, tmp_path_factory):
     """Six steps in one go through the command, saving every step (keeping the last two)."""
     root = tmp_path_factory.mktemp("straight")
-    config = small_run_config(corpus, root / "run", checkpoint_every=1)
+    config = small_run_config(corpus, root / "run", {"run.checkpoint_every": 1})
     output = io.StringIO()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("sys.stdout", output)
@@ -50,7 +59,7 @@ def straight(corpus, tmp_path_factory):
 def first_half(corpus, tmp_path_factory):
     """The same run stopped after three steps (a checkpoint at step 3)."""
     run_dir = tmp_path_factory.mktemp("half") / "run"
-    result = train(small_run_config(corpus, run_dir, steps=3), out=io.StringIO())
+    result = train(small_run_config(corpus, run_dir, {"run.steps": 3}), out=io.StringIO())
     assert Checkpointer(run_dir / "checkpoints").steps() == [3]
     return run_dir, result
 
@@ -63,11 +72,10 @@ def test_command_prints_the_plan_and_writes_metrics(straight):
     run_dir, output = straight
     for expected in [
         "devices     8 x cpu in 1 process(es); cluster 2 nodes x 4 (cpu-sim)",
-        "strategy    p=4x2,g=4x2,os=4x2  [zero3]",
-        "mesh        inter0=2 x intra0=4",
-        "precision   fp32; remat full; micro-batches 1",
-        "gathering   per layer in layers/layer",
-        "replicated  none",
+        "model       llama " + TINY_MODEL + ": 125,248 parameters, dim 64, 2 layers",
+        "plan        p=4x2,g=4x2,os=4x2 on 2x4 (cpu-sim), M=1, fp32, remat=full  [zero3]",
+        "mesh        inter0=2 (inter-node), intra0=4",
+        "gathering   per layer inside the layer scan of layers/layer",
         "MFU         against cpu-sim's peak",
     ]:
         assert expected in output, expected
@@ -84,7 +92,9 @@ def test_resume_gives_the_same_losses_as_training_straight(straight, first_half,
     expected = metric_losses(straight[0])
     half_dir, half = first_half
     run_dir = copy_run(half_dir, tmp_path)
-    resumed = train(small_run_config(corpus, run_dir, steps=6, resume=True), out=io.StringIO())
+    resumed = train(
+        small_run_config(corpus, run_dir, {"run.steps": 6, "run.resume": True}), out=io.StringIO()
+    )
     losses = {**half.losses, **resumed.losses}
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     steps = range(1, 7)
@@ -97,7 +107,9 @@ def test_resume_onto_another_strategy_and_device_count(straight, first_half, cor
     expected = metric_losses(straight[0])
     run_dir = copy_run(first_half[0], tmp_path)
     config = small_run_config(
-        corpus, run_dir, steps=6, resume=True, strategy="p=2x1,g=2x1,os=2x2", cluster="2x2"
+        corpus,
+        run_dir,
+        {"run.steps": 6, "run.resume": True, "plan.strategy": "p=2x1,g=2x1,os=2x2", "plan.cluster": "2x2"},
     )
     output = io.StringIO()
     resumed = train(config, devices=jax.devices()[:4], out=output)
@@ -122,12 +134,32 @@ def test_a_data_path_that_does_not_exist(tmp_path, capsys):
 
 def test_config_files_and_overrides():
     demo = load_config(REPO / "configs" / "train" / "demo.yaml")
-    assert demo.data == () and demo.strategy == "auto"
-    assert load_config(REPO / "configs" / "train" / "demo.yaml", steps=5, data="x.txt").data == ("x.txt",)
-    with pytest.raises(ValueError, match=r"unknown train settings \['stepz'\]"):
-        load_config(None, stepz=3)
+    assert demo.data.paths == () and demo.plan.strategy == "auto" and demo.model.name == "small"
+    assert (demo.run.steps, demo.run.keep_checkpoints, demo.run.dir) == (300, 2, "runs/demo-{time}")
+    assert demo.optimizer.weight_decay == 0.1, "a key the file leaves out keeps its default"
+    changed = load_config(REPO / "configs" / "train" / "demo.yaml", {"run.steps": 5, "data.paths": "x.txt"})
+    assert (changed.run.steps, changed.data.paths, changed.model.name) == (5, ("x.txt",), "small")
+    assert load_config(None, {"run.steps": None}).run.steps == 200, "None changes nothing"
+    with pytest.raises(ValueError, match=r"unknown train settings \['run\.stepz'\]; known in run: steps"):
+        load_config(None, {"run.stepz": 3})
+    with pytest.raises(ValueError, match=r"unknown train settings \['steps'\]; .* did you mean run\.steps"):
+        load_config(None, {"steps": 3})
+    with pytest.raises(ValueError, match=r"unknown train section 'trainer'; the sections are model, data"):
+        load_config(None, {"trainer.steps": 3})
     with pytest.raises(ValueError, match=r"train config nowhere\.yaml does not exist"):
         load_config("nowhere.yaml")
-    assert load_config(None, keep_first_layer=True).keep_first_layer
-    with pytest.raises(ValueError, match="keep_first_layer"):
-        load_config(None, keep_first_layer="yes")
+    assert load_config(None, {"plan.keep_first_layer": True}).plan.keep_first_layer
+    with pytest.raises(ValueError, match=r"plan\.keep_first_layer must be true or false, got 'yes'"):
+        load_config(None, {"plan.keep_first_layer": "yes"})
+
+
+def test_sections_check_themselves_when_built():
+    with pytest.raises(ConfigError, match=r"^run\.steps must be at least 1, got 0$"):
+        RunSection(steps=0)
+    with pytest.raises(ConfigError, match=r"^optimizer\.weight_decay must be zero or positive, got -1$"):
+        OptimizerSection(weight_decay=-1)
+    with pytest.raises(ConfigError, match=r"^data\.seq_len must be an integer, got 1\.5$"):
+        DataSection(seq_len=1.5)
+    assert DataSection(paths="a.txt").paths == ("a.txt",)
+    config = TrainConfig(run=RunSection(steps=7))
+    assert TrainConfig.from_dict(config.to_dict()) == config

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import hashlib
 import io
 import json
@@ -27,8 +26,16 @@ import yaml
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from amsp_jax.cli import train as train_command_module
+from amsp_jax.run.config import (
+    DataSection,
+    ModelSection,
+    OptimizerSection,
+    PlanSection,
+    RunSection,
+    TrainConfig,
+)
 from amsp_jax.run.data import stdlib_files
-from amsp_jax.run.train import TrainConfig, train
+from amsp_jax.run.train import train
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = str(REPO / "configs" / "models" / "tiny.yaml")
@@ -61,32 +68,24 @@ def write_corpus(directory: Path, files: int = 40) -> Path:
     return directory
 
 
-def small_run_config(corpus: Path, run_dir: Path, **changes: object) -> TrainConfig:
-    """A few-step fp32 run of the tiny model on `corpus`, checkpointing every 3 steps.
+def small_run_config(corpus: Path, run_dir: Path, changes: dict[str, object] | None = None) -> TrainConfig:
+    """A few-step fp32 run of the tiny model on `corpus`, checkpointing every 3 steps; `changes` has
+    dotted keys (`{"run.steps": 3}`).
 
     adam_eps=1e-3 for the reason given in tests/helpers.py: a small eps turns fp32 rounding of
     near-zero gradient entries into lr-sized differences between summation orders.
     """
     config = TrainConfig(
-        model=TINY_MODEL,
-        data=(str(corpus),),
-        seq_len=32,
-        global_batch=16,
-        steps=6,
-        strategy="zero3",
-        precision="fp32",
-        learning_rate=1e-2,
-        warmup_steps=2,
-        decay_steps=6,
-        adam_eps=1e-3,
-        eval_every=3,
-        eval_batches=1,
-        checkpoint_every=3,
-        keep_checkpoints=2,
-        run_dir=str(run_dir),
-        progress=False,
-    )
-    return dataclasses.replace(config, **changes)
+        model=ModelSection(name=TINY_MODEL),
+        data=DataSection(paths=(str(corpus),), seq_len=32, global_batch=16),
+        plan=PlanSection(strategy="zero3", precision="fp32"),
+        optimizer=OptimizerSection(learning_rate=1e-2, warmup_steps=2, decay_steps=6, adam_eps=1e-3),
+        run=RunSection(
+            steps=6, eval_every=3, eval_batches=1, checkpoint_every=3, keep_checkpoints=2, dir=str(run_dir),
+            progress=False,
+        ),
+    )  # fmt: skip
+    return config.override(changes or {})
 
 
 def run_train_command(argv: list[str]) -> int:
@@ -98,9 +97,7 @@ def run_train_command(argv: list[str]) -> int:
 
 def write_config(path: Path, config: TrainConfig) -> Path:
     """`config` as a train config YAML at `path`."""
-    values = dataclasses.asdict(config)
-    values["data"] = list(values["data"])
-    path.write_text(yaml.safe_dump(values))
+    path.write_text(yaml.safe_dump(config.to_dict()))
     return path
 
 
@@ -168,7 +165,8 @@ def _kill_during_save(corpus: str, run_dir: str) -> None:
         await asyncio.sleep(3600)
 
     atomicity.AtomicRenameTemporaryPath.finalize = hold_step_two
-    train(small_run_config(Path(corpus), Path(run_dir), steps=2, checkpoint_every=1), out=io.StringIO())
+    config = small_run_config(Path(corpus), Path(run_dir), {"run.steps": 2, "run.checkpoint_every": 1})
+    train(config, out=io.StringIO())
 
 
 if __name__ == "__main__":

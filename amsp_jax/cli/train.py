@@ -21,33 +21,50 @@ from typing import Any
 from amsp_jax.errors import is_input_error, one_line
 from amsp_jax.run import distributed
 
-# Settings that the command line may override, with their help; each is a TrainConfig field.
-OVERRIDES: dict[str, tuple[type, str]] = {
-    "model": (str, "model config YAML, or a shipped model's name (tiny, small, llama-7b, ...)"),
-    "strategy": (str, "auto, a preset (ddp, zero1, zero2, zero3, mics, hsdp) or p=AxB,g=CxD,os=ExF"),
+# Settings that the command line may override: flag name, the train config key it sets, type, help.
+OVERRIDES: dict[str, tuple[str, type, str]] = {
+    "model": ("model.name", str, "model config YAML, or a shipped model's name (tiny, small, llama-7b, ...)"),
+    "strategy": (
+        "plan.strategy",
+        str,
+        "auto, a preset (ddp, zero1, zero2, zero3, mics, hsdp) or p=AxB,g=CxD,os=ExF",
+    ),
     "cluster": (
+        "plan.cluster",
         str,
         "NODESxDEVICES (e.g. 2x4), a cluster YAML or a shipped cluster's name; default: one node per process",
     ),
-    "steps": (int, "train until this many optimizer steps are done"),
-    "global_batch": (int, "sequences per step over all devices"),
-    "seq_len": (int, "tokens per sequence"),
-    "micro_batches": (int, "micro-batches per step (gradient accumulation)"),
-    "precision": (str, "mixed (bf16 P and gradient reduction) or fp32"),
-    "remat": (str, "none, dots or full"),
-    "learning_rate": (float, "peak learning rate"),
-    "eval_every": (int, "held-out evaluation every N steps"),
-    "checkpoint_every": (int, "save a checkpoint every N steps"),
-    "keep_checkpoints": (int, "keep the newest N checkpoints"),
-    "run_dir": (str, "directory of checkpoints and metrics.jsonl; {time} becomes the start time"),
-    "seed": (int, "initialisation and data seed"),
-    "data_dtype": (str, "token dtype of raw .bin token files (uint16 or int32)"),
-    "cpu_devices": (int, "simulated devices when there is no accelerator"),
+    "steps": ("run.steps", int, "train until this many optimizer steps are done"),
+    "global_batch": ("data.global_batch", int, "sequences per step over all devices"),
+    "seq_len": ("data.seq_len", int, "tokens per sequence"),
+    "micro_batches": ("plan.micro_batches", int, "micro-batches per step (gradient accumulation)"),
+    "precision": ("plan.precision", str, "mixed (bf16 P and gradient reduction) or fp32"),
+    "remat": ("plan.remat", str, "none, dots or full"),
+    "learning_rate": ("optimizer.learning_rate", float, "peak learning rate"),
+    "eval_every": ("run.eval_every", int, "held-out evaluation every N steps"),
+    "checkpoint_every": ("run.checkpoint_every", int, "save a checkpoint every N steps"),
+    "keep_checkpoints": ("run.keep_checkpoints", int, "keep the newest N checkpoints"),
+    "run_dir": ("run.dir", str, "directory of checkpoints and metrics.jsonl; {time} becomes the start time"),
+    "seed": ("run.seed", int, "initialisation and data seed"),
+    "data_dtype": ("data.dtype", str, "token dtype of raw .bin token files (uint16 or int32)"),
+    "cpu_devices": ("plan.cpu_devices", int, "simulated devices when there is no accelerator"),
     "init_from": (
+        "run.init_from",
         str,
         "start from the parameters in this file (amsp-jax export's .safetensors, or .msgpack)",
     ),
-    "stop_after_bad_steps": (int, "stop after this many steps in a row with a non-finite loss (skipped)"),
+    "stop_after_bad_steps": (
+        "run.stop_after_bad_steps",
+        int,
+        "stop after this many steps in a row with a non-finite loss (skipped)",
+    ),
+}
+# The flags that are not a typed value, and the keys they set.
+SWITCHES = {
+    "data": "data.paths",
+    "resume": "run.resume",
+    "progress": "run.progress",
+    "keep_first_layer": "plan.keep_first_layer",
 }
 
 
@@ -57,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data", nargs="+", help="text files or directories, JSON lines (.jsonl) or token files (.npy/.bin)"
     )
-    for name, (kind, help_text) in OVERRIDES.items():
+    for name, (_, kind, help_text) in OVERRIDES.items():
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, help=help_text)
     parser.add_argument(
         "--resume", action="store_true", default=None, help="continue from the latest checkpoint"
@@ -82,11 +99,11 @@ def run(args: argparse.Namespace) -> int:
     # Imported here, not above: Orbax takes most of a second to import, which `amsp-jax plan` need not pay.
     from amsp_jax.run.train import ConfigError, DivergedError, load_config, train
 
-    names = [*OVERRIDES, "data", "resume", "progress", "keep_first_layer"]
+    keys = {**{name: key for name, (key, _, _) in OVERRIDES.items()}, **SWITCHES}
     quiet_abandoned_reads()
     try:
-        config = load_config(args.config, **{name: getattr(args, name) for name in names})
-        distributed.simulate_cpu_devices(config.cpu_devices)
+        config = load_config(args.config, {key: getattr(args, name) for name, key in keys.items()})
+        distributed.simulate_cpu_devices(config.plan.cpu_devices)
         try:
             distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         except ValueError as error:

@@ -60,7 +60,8 @@ class Restored:
 
 def param_shapes(trainer: Trainer) -> dict[str, list[int]]:
     """Every parameter leaf's shape keyed by its '/'-joined path (what a restore must match)."""
-    assert trainer.params_layout is not None, "call trainer.setup() or init() first"
+    if trainer.params_layout is None:
+        raise CheckpointError("the trainer has no parameters yet; call trainer.setup() or init() first")
     return {"/".join(map(str, p)): list(leaf.shape) for p, leaf in trainer.params_layout.leaves.items()}
 
 
@@ -80,8 +81,8 @@ def _differences(saved: dict[str, Any], expected: dict[str, Any], limit: int = 4
     return "; ".join(diffs[:limit]) + more
 
 
-class Checkpointer:
-    """The checkpoints of one run directory: async save, keep the last `keep`, restore onto any plan."""
+class CheckpointDirectory:
+    """A directory of Orbax steps, its manager opened on first use: list, wait for and close the saves."""
 
     def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True) -> None:
         """Nothing is created on disk until the first save."""
@@ -110,33 +111,6 @@ class Checkpointer:
             return []
         return sorted(self._open().all_steps())
 
-    def save(self, trainer: Trainer, state: TrainState, rng: Any, meta: dict[str, Any] | None = None) -> int:
-        """Start saving `state` (master, optimizer state, step), `rng` and `meta`; returns the step."""
-        step = int(state.step)
-        tree = {
-            "step": state.step,
-            "master": state.master,
-            "opt_state": state.opt_state,
-            "rng": np.asarray(jax.random.key_data(rng) if _is_key(rng) else rng),
-        }
-        if state.collections:
-            tree["collections"] = state.collections
-        full_meta = {
-            **(meta or {}),
-            "format": FORMAT,
-            "step": step,
-            "param_shapes": param_shapes(trainer),
-            "optimizer_structure": optimizer_structure(trainer),
-        }
-        self._open().save(
-            step,
-            args=ocp.args.Composite(
-                **{STATE: ocp.args.StandardSave(tree), META: ocp.args.JsonSave(full_meta)}
-            ),
-            force=True,
-        )
-        return step
-
     def _require_step(self, step: int | None) -> int:
         steps = self.steps()
         if not steps:
@@ -158,6 +132,36 @@ class Checkpointer:
             f"checkpoint step {step} in {self.directory} is damaged or unreadable ({reason}); delete "
             f"{self.directory / str(step)} to {fallback}, or start a new run directory"
         )
+
+    def wait(self) -> None:
+        """Block until every started save is written and finalized."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Finish pending saves and release Orbax's resources."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()
+            self._manager = None
+
+
+class Checkpointer(CheckpointDirectory):
+    """The checkpoints of one run directory: async save, keep the last `keep`, restore onto any plan."""
+
+    def save(self, trainer: Trainer, state: TrainState, rng: Any, meta: dict[str, Any] | None = None) -> int:
+        """Start saving `state` (master, optimizer state, step), `rng` and `meta`; returns the step."""
+        step = int(state.step)
+        full_meta = {
+            **(meta or {}),
+            "format": FORMAT,
+            "step": step,
+            "param_shapes": param_shapes(trainer),
+            "optimizer_structure": optimizer_structure(trainer),
+        }
+        items = {STATE: ocp.args.StandardSave(_state_tree(state, rng)), META: ocp.args.JsonSave(full_meta)}
+        self._open().save(step, args=ocp.args.Composite(**items), force=True)
+        return step
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         """The JSON metadata saved with `step` (default: the latest)."""
@@ -181,49 +185,14 @@ class Checkpointer:
         """
         step = self._require_step(step)
         meta = self.read_meta(step)
-        if model is not None and "model" in meta and meta["model"] != model:
-            detail = (
-                _differences(meta["model"], model)
-                if isinstance(model, dict) and isinstance(meta["model"], dict)
-                else f"{meta['model']} here {model}"
-            )
-            raise CheckpointError(
-                f"the checkpoint in {self.directory} (step {step}) is of another model: saved {detail}; "
-                "use the model config it was trained with, or a new run directory"
-            )
-        shapes = param_shapes(trainer)
-        if meta["param_shapes"] != shapes:
-            raise CheckpointError(
-                f"the checkpoint in {self.directory} (step {step}) holds parameters of other shapes: saved "
-                f"{_differences(meta['param_shapes'], shapes)}; restore it into the model it was saved from"
-            )
-        expected = optimizer_structure(trainer)
-        if meta["optimizer_structure"] != expected:
-            states = [
-                ", ".join(re.findall(r"namedtuple\[(\w+)\]", text))
-                for text in (meta["optimizer_structure"], expected)
-            ]
-            raise CheckpointError(
-                f"the checkpoint in {self.directory} (step {step}) holds the state of another optimizer "
-                f"(saved: {states[0]}; here: {states[1]}); restore it with the optax chain it was saved with"
-            )
-        abstract = trainer.abstract_state()
-        target = {
-            "step": abstract.step,
-            "master": abstract.master,
-            "opt_state": abstract.opt_state,
-            "rng": np.zeros(jax.random.key_data(jax.random.key(0)).shape, np.uint32),
-        }
-        if abstract.collections:
-            target["collections"] = abstract.collections
+        check_matches(meta, trainer, model, f"the checkpoint in {self.directory} (step {step})")
         try:
             # Not strict: leaves whose split dimension does not divide are stored padded with zeros at
             # the end, by as much as the plan's largest group needs; another plan pads another amount
             # (or another dimension), and Orbax's truncation or zero padding of the saved array is
-            # exactly that change. The checks above already matched every leaf's real shape.
-            restored = self._open().restore(
-                step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target, strict=False)})
-            )[STATE]
+            # exactly that change. `check_matches` already matched every leaf's real shape.
+            target = ocp.args.StandardRestore(_restore_target(trainer), strict=False)
+            restored = self._open().restore(step, args=ocp.args.Composite(**{STATE: target}))[STATE]
         except Exception as error:
             raise self._damaged(step, error) from error
         state = trainer.assemble(
@@ -231,21 +200,70 @@ class Checkpointer:
         )
         return Restored(state, np.asarray(restored["rng"]), meta)
 
-    def wait(self) -> None:
-        """Block until every started save is written and finalized."""
-        if self._manager is not None:
-            self._manager.wait_until_finished()
-
-    def close(self) -> None:
-        """Finish pending saves and release Orbax's resources."""
-        if self._manager is not None:
-            self._manager.wait_until_finished()
-            self._manager.close()
-            self._manager = None
-
 
 def _is_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _state_tree(state: TrainState, rng: Any) -> dict[str, Any]:
+    """What a checkpoint stores: the step, master, optimizer state, carried collections, RNG key data."""
+    tree = {
+        "step": state.step,
+        "master": state.master,
+        "opt_state": state.opt_state,
+        "rng": np.asarray(jax.random.key_data(rng) if _is_key(rng) else rng),
+    }
+    if state.collections:
+        tree["collections"] = state.collections
+    return tree
+
+
+def _restore_target(trainer: Trainer) -> dict[str, Any]:
+    """The stored tree as abstract arrays with the trainer's shardings, where the restore puts them."""
+    abstract = trainer.abstract_state()
+    target = {
+        "step": abstract.step,
+        "master": abstract.master,
+        "opt_state": abstract.opt_state,
+        "rng": np.zeros(jax.random.key_data(jax.random.key(0)).shape, np.uint32),
+    }
+    if abstract.collections:
+        target["collections"] = abstract.collections
+    return target
+
+
+def check_matches(meta: dict[str, Any], trainer: Trainer, model: Any, what: str) -> None:
+    """Raise a CheckpointError when the checkpoint `what` (its `meta`) is of another model or optimizer.
+
+    `model`: the model config the caller expects (None: not checked); parameter shapes and the
+    optimizer state's structure are compared with `trainer`'s.
+    """
+    if model is not None and "model" in meta and meta["model"] != model:
+        detail = (
+            _differences(meta["model"], model)
+            if isinstance(model, dict) and isinstance(meta["model"], dict)
+            else f"{meta['model']} here {model}"
+        )
+        raise CheckpointError(
+            f"{what} is of another model: saved {detail}; use the model config it was trained with, or a "
+            "new run directory"
+        )
+    shapes = param_shapes(trainer)
+    if meta["param_shapes"] != shapes:
+        raise CheckpointError(
+            f"{what} holds parameters of other shapes: saved {_differences(meta['param_shapes'], shapes)}; "
+            "restore it into the model it was saved from"
+        )
+    expected = optimizer_structure(trainer)
+    if meta["optimizer_structure"] != expected:
+        states = [
+            ", ".join(re.findall(r"namedtuple\[(\w+)\]", text))
+            for text in (meta["optimizer_structure"], expected)
+        ]
+        raise CheckpointError(
+            f"{what} holds the state of another optimizer (saved: {states[0]}; here: {states[1]}); restore "
+            "it with the optax chain it was saved with"
+        )
 
 
 def checkpoint_directory(path: str | Path) -> Path:
