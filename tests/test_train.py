@@ -1,15 +1,19 @@
-"""`amsp-jax train` end to end: the command, the plan it prints, metrics, and exact resume across plans."""
+"""`amsp-jax train` end to end (the command, the plan it prints, metrics, exact resume across plans), the
+config's sections, and the loop with its hooks on a trainer without JAX."""
 
 from __future__ import annotations
 
 import io
 import json
 import shutil
+import signal
+import sys
 
 import jax
 import numpy as np
 import pytest
 
+from amsp_jax.run import hooks
 from amsp_jax.run.checkpoint import Checkpointer
 from amsp_jax.run.config import (
     ConfigError,
@@ -19,6 +23,7 @@ from amsp_jax.run.config import (
     TrainConfig,
     load_config,
 )
+from amsp_jax.run.loop import Hook, MetricsReader, loop
 from amsp_jax.run.train import train
 from tests.train_helpers import (
     REPO,
@@ -161,3 +166,124 @@ def test_sections_check_themselves_when_built():
     assert DataSection(paths="a.txt").paths == ("a.txt",)
     config = TrainConfig(run=RunSection(steps=7))
     assert TrainConfig.from_dict(config.to_dict()) == config
+
+
+# ---- the loop and its hooks, on a trainer that only counts ----------------------------------------------
+
+
+class CountingTrainer:
+    """Steps that record when they are dispatched and when their metrics are read; no JAX."""
+
+    def __init__(self, trace: list[str], losses: dict[int, float], on_step=None) -> None:
+        self.trace, self.losses, self.on_step = trace, losses, on_step
+
+    def step(self, state, batch):
+        number = state + 1
+        self.trace.append(f"dispatch {number}")
+        if self.on_step:
+            self.on_step(number)
+        return number, {"loss": Lazy(self.trace, number, self.losses.get(number, 1.0)), "grad_norm": 1.0}
+
+    def evaluate(self, state, batch):
+        return 0.5
+
+
+class Lazy:
+    """A device scalar stand-in: converting it to a float is the host waiting for the step."""
+
+    def __init__(self, trace: list[str], step: int, value: float) -> None:
+        self.trace, self.step, self.value = trace, step, value
+
+    def __float__(self) -> float:
+        self.trace.append(f"read {self.step}")
+        return self.value
+
+
+class Recorder(Hook):
+    def __init__(self, trace: list[str], acts_at: set[int] = frozenset()) -> None:
+        self.trace, self.acts_at = trace, acts_at
+
+    def needs_metrics(self, step):
+        return step.number in self.acts_at
+
+    def on_metrics(self, metrics):
+        self.trace.append(f"metrics {metrics.step}")
+
+    def on_step(self, step):
+        self.trace.append(f"step {step.number}")
+
+    def on_end(self, step):
+        self.trace.append(f"end {step.number}")
+
+
+class FakeCheckpointer:
+    directory = "ckpt"
+
+    def __init__(self) -> None:
+        self.saved: list[int] = []
+
+    def save(self, trainer, state, rng, meta):
+        self.saved.append(state)
+
+    def wait(self):
+        pass
+
+    def steps(self):
+        return self.saved
+
+
+def run_loop(trainer, hooks, steps=4):
+    reader = MetricsReader(0, tokens_per_step=8, flops_per_token=1.0, peak=None)
+    return loop(trainer, 0, range(1, steps + 1), lambda step: None, reader, hooks)
+
+
+def test_metrics_are_read_one_step_late_except_where_a_hook_acts():
+    trace: list[str] = []
+    state, last = run_loop(CountingTrainer(trace, {}), [Recorder(trace, acts_at={3})])
+    assert (state, last.number) == (4, 4)
+    assert trace == [
+        "dispatch 1", "step 1",
+        "dispatch 2", "read 1", "metrics 1", "step 2",
+        "dispatch 3", "read 2", "metrics 2", "read 3", "metrics 3", "step 3",
+        "dispatch 4", "step 4",
+        "read 4", "metrics 4", "end 4",
+    ]  # fmt: skip
+
+
+def test_sigterm_saves_that_step_and_stops(capsys):
+    trace: list[str] = []
+    checkpointer = FakeCheckpointer()
+    say = hooks.printer(sys.stdout, primary=True)
+    before = signal.getsignal(signal.SIGTERM)
+    side_jobs = [
+        hooks.Preemption(),
+        hooks.Checkpoints(checkpointer, None, np.zeros(2), lambda step: {}, every=100, say=say),
+        Recorder(trace),
+    ]
+    sigterm_at_2 = CountingTrainer(
+        trace, {}, on_step=lambda n: n == 2 and signal.raise_signal(signal.SIGTERM)
+    )
+    state, last = run_loop(sigterm_at_2, side_jobs, steps=10)
+    assert (state, last.number, last.preempted) == (2, 2, True)
+    assert checkpointer.saved == [2]
+    assert "SIGTERM: saved step 2 to ckpt; stopping" in capsys.readouterr().out
+    assert trace[-3:] == ["read 2", "metrics 2", "end 2"], "the last step's metrics are still published"
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_bad_steps_in_a_row_stop_the_loop_and_close_the_log(tmp_path, capsys):
+    nan = float("nan")
+    trainer = CountingTrainer([], {2: nan, 4: nan, 5: nan})
+    checkpointer = FakeCheckpointer()
+    say = hooks.printer(sys.stdout, primary=True)
+    log = hooks.MetricsLog(tmp_path / "metrics.jsonl")
+    side_jobs = [log, hooks.DivergenceGuard(2, checkpointer, say)]
+    with pytest.raises(hooks.DivergedError, match=r"not finite for 2 steps in a row \(steps 4-5\)"):
+        run_loop(trainer, side_jobs, steps=8)
+    assert log.file.closed
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"], r["skipped_total"]) for r in records] == [
+        (1, 1.0, 0), (2, None, 1), (3, 1.0, 1), (4, None, 2), (5, None, 3),
+    ]  # fmt: skip
+    out = capsys.readouterr().out
+    assert "step 2: loss nan" in out and "(1 in a row, stop at 2)" in out and "(2 in a row, stop at 2)" in out

@@ -3,7 +3,8 @@
 Device set-up comes first and must precede any JAX computation: without an accelerator XLA is asked
 for simulated CPU devices (`cpu_devices`, 8 by default, unless `XLA_FLAGS` already sets a count), and
 with `--coordinator` (or under a SLURM / Open MPI launch with several tasks) the process joins the
-others through `jax.distributed`. Then `amsp_jax.run.train.train` runs the config.
+others through `jax.distributed`. Then `amsp_jax.run.train.train` runs the config; each flag sets one
+key of it (`--steps` sets `run.steps`, see `OVERRIDES`).
 
     amsp-jax train --config demo          # the shipped demo config; or the path of a train config YAML
     amsp-jax train --config demo --run-dir runs/demo-... --resume
@@ -74,8 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data", nargs="+", help="text files or directories, JSON lines (.jsonl) or token files (.npy/.bin)"
     )
-    for name, (_, kind, help_text) in OVERRIDES.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, help=help_text)
+    for name, (key, kind, help_text) in OVERRIDES.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, help=f"{help_text} ({key})")
     parser.add_argument(
         "--resume", action="store_true", default=None, help="continue from the latest checkpoint"
     )
