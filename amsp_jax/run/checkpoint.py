@@ -187,10 +187,8 @@ class Checkpointer(CheckpointDirectory):
         meta = self.read_meta(step)
         check_matches(meta, trainer, model, f"the checkpoint in {self.directory} (step {step})")
         try:
-            # Not strict: leaves whose split dimension does not divide are stored padded with zeros at
-            # the end, by as much as the plan's largest group needs; another plan pads another amount
-            # (or another dimension), and Orbax's truncation or zero padding of the saved array is
-            # exactly that change. `check_matches` already matched every leaf's real shape.
+            # Not strict: a leaf whose split dimension does not divide is stored zero-padded for the
+            # saving plan, and Orbax's truncation or zero padding is exactly the change to this plan's.
             target = ocp.args.StandardRestore(_restore_target(trainer), strict=False)
             restored = self._open().restore(step, args=ocp.args.Composite(**{STATE: target}))[STATE]
         except Exception as error:
