@@ -402,6 +402,7 @@ def _steps(run: RunSetup, primary: bool, out: TextIO) -> tuple[dict[int, float],
         run.corpus.held_out, settings.eval_batches, data.global_batch, data.seq_len
     )
     evaluation = hooks.HeldOutEval(trainer, held_out, settings.eval_every, log, say)
+    # In this order: a step is logged before the guard may stop on it, marked preempted before it is saved.
     side_jobs = [
         log,
         hooks.ProgressBar(start, settings.steps, settings.progress and primary),
