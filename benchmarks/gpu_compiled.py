@@ -7,7 +7,7 @@ share of per-layer collective bytes that have matrix compute between their start
 peer (`benchmarks/peer_gspmd.py`, FSDP and ZeRO-1) is compiled for the same cluster.
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/gpu_compiled.py --models llama-7b
-writes benchmarks/results/gpu_compiled.md (and .json). Nothing here is a GPU timing.
+writes a dated benchmarks/results/gpu_compiled_<target>_<date>.md (and .json). Nothing here is a GPU timing.
 """
 
 from __future__ import annotations

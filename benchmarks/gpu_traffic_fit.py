@@ -18,7 +18,8 @@ as the run's profile priced it, plus the predicted bytes at the profile's memory
 largest elementwise pass `amsp-jax profile` timed), beside the measured step. Nothing here runs on a
 GPU, and the time model does not use the fit yet.
 
-Run:  JAX_PLATFORMS=cpu python -m benchmarks.gpu_traffic_fit benchmarks/results/gpu_step_h100.json ...
+Run:  JAX_PLATFORMS=cpu python -m benchmarks.gpu_traffic_fit \
+      benchmarks/results/gpu_step_h100_20261126-0743.json ...
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ each device orthogonalises L/k of them alone). The gradient and the parameter (f
 moved to that layout inside the update and the update back, the momentum stays in it.
 
     JAX_PLATFORMS=cpu .venv/bin/python -m benchmarks.optimizer_update --nodes 128 --whole-matrices
-writes benchmarks/results/optimizer_update.md (and .json); `--check` exits 1 on any difference.
+writes a dated benchmarks/results/optimizer_update_*.md (and .json); `--check` exits 1 on any difference.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ model, for each configuration's median step and for its fastest one (a shared ma
 interference only ever slows a step, so the fastest is the least disturbed; the planner's choice is
 timed once, as its own row or as the row of the same plan): predicted beside measured, their ratio,
 Spearman's rank correlation, and the planner's choice against the fastest configuration measured.
-Writes `plan_vs_measured.md`, `.json` and a log-log scatter `.png`.
+Writes a dated `plan_vs_measured_cpu8_<date>.md`, `.json` and a log-log scatter `.png`.
 
 Run from the repository root:  .venv/bin/python -m benchmarks.plan_vs_measured
 """
