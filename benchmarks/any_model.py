@@ -3,7 +3,7 @@
 The model (8 blocks of width 128: linen `MultiHeadDotProductAttention`, `LayerNorm`, learned positions,
 biases) is the test suite's `tests/model_zoo.py`; each style's step is compiled for 2 nodes x 4
 simulated CPU devices, fp32, batch 8 of 8 tokens, and XLA's `memory_analysis()` read (arguments +
-outputs - aliased + temporaries). Writes benchmarks/results/any_model.md and .json.
+outputs - aliased + temporaries). Writes benchmarks/results/any_model_<hardware>_<date>.md and .json.
 
     python benchmarks/any_model.py
 """
@@ -22,6 +22,7 @@ if "jax" not in sys.modules:
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import results_file  # noqa: E402
 from tests.test_any_model import compiled_memory  # noqa: E402
 
 ROWS = [
@@ -49,14 +50,14 @@ def main() -> None:
             for r in results
         ),
     ]
-    out = ROOT / "benchmarks" / "results"
-    (out / "any_model.md").write_text(
-        "# Per-layer gathering for any model: compiled zero3 memory\n\n"
-        "`python benchmarks/any_model.py` (2x4 CPU devices, fp32, 8 blocks of width 128).\n\n"
+    stem = results_file.dated_stem(results_file.RESULTS, "any_model", results_file.hardware())
+    stem.with_suffix(".md").write_text(
+        results_file.header("Per-layer gathering for any model: compiled zero3 memory")
+        + "2x4 CPU devices, fp32, 8 blocks of width 128.\n\n"
         + "\n".join(lines)
         + "\n"
     )
-    (out / "any_model.json").write_text(json.dumps(results, indent=2) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
     print("\n".join(lines))
 
 

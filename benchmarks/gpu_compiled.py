@@ -7,7 +7,7 @@ share of per-layer collective bytes that have matrix compute between their start
 peer (`benchmarks/peer_gspmd.py`, FSDP and ZeRO-1) is compiled for the same cluster.
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/gpu_compiled.py --models llama-7b
-writes benchmarks/results/gpu_compiled.md (and .json). Nothing here is a GPU timing.
+writes a dated benchmarks/results/gpu_compiled_<target>_<date>.md (and .json). Nothing here is a GPU timing.
 """
 
 from __future__ import annotations
@@ -36,12 +36,11 @@ from amsp_jax.core.space import AMSP_PUBLISHED, PRESETS, Cluster, Strategy, ddp,
 from amsp_jax.cost.hardware import load as load_cluster
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from amsp_jax.trainer import Trainer
-from benchmarks import peer_gspmd
+from benchmarks import peer_gspmd, results_file
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
 PRESET_ROWS = ("zero1", "zero2", "zero3", "zero3/loop", "mics")
-NOTES_MARKER = "<!-- findings: kept when the tables are regenerated -->"
 
 
 def _abstract(batch: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.ShapeDtypeStruct]:
@@ -194,12 +193,12 @@ def main() -> None:
         metavar="MODEL=STRATEGY",
         help="more plans, e.g. the planner's choice: llama-30b=p=2x1,g=8x1,os=8x64@dots (from amsp-jax plan)",
     )
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_compiled"))
+    parser.add_argument("--out", default=str(results_file.RESULTS), help="output directory")
     args = parser.parse_args()
     devices = gpu_target.topology(args.target, args.nodes, 8)
     budget = load_cluster(args.cluster).memory_limit
     results: dict[str, list[dict[str, Any]]] = {}
-    out = Path(args.out)
+    out = results_file.dated_stem(args.out, "gpu_compiled", f"{args.target}x{args.nodes * 8}")
     for name in args.models:
         config = LlamaConfig.from_yaml(REPO / "configs" / "models" / f"{name}.yaml")
         plans = [*PRESET_ROWS, AMSP_PUBLISHED[name]] if name in AMSP_PUBLISHED else list(PRESET_ROWS)
@@ -214,8 +213,10 @@ def main() -> None:
                 print(name, mode, _gib(rows[-1]["compiled_memory"]), flush=True)
         out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     body = [
-        f"# GPU-compiled step: {args.target}, {args.nodes} nodes x 8, seq {args.seq_len}, one sequence per "
-        "device (M = 1), mixed precision, remat full unless the plan says `@dots`",
+        results_file.header(
+            f"GPU-compiled step: {args.target}, {args.nodes} nodes x 8, seq {args.seq_len}, one sequence per "
+            "device (M = 1), mixed precision, remat full unless the plan says `@dots`"
+        ).rstrip("\n"),
         "",
         "Compiled by XLA's CUDA compiler on a CPU-only machine (`benchmarks/gpu_compiled.py`); no GPU ran. "
         f"amsp_jax's plans carry the memory budget of `{args.cluster}` ({budget / GIB:.1f} GiB per device), "
@@ -224,10 +225,7 @@ def main() -> None:
     ]
     for name, rows in results.items():
         body += [f"## {name}", "", table(rows), ""]
-    # Hand-written findings below the marker survive a re-run.
-    previous = out.with_suffix(".md").read_text() if out.with_suffix(".md").exists() else ""
-    notes = previous[previous.index(NOTES_MARKER) :] if NOTES_MARKER in previous else NOTES_MARKER + "\n"
-    out.with_suffix(".md").write_text("\n".join(body) + "\n" + notes)
+    out.with_suffix(".md").write_text("\n".join(body) + "\n")
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ The prediction is `amsp_jax.cost.timing.estimate` with the measured config, and 
 are traced with `jax.profiler` (`--trace`), and their GPU kernel time is summed by kind (matmuls,
 attention, the rest) to say where a step's time goes; the first pair's trace is kept.
 
-Each pair's results are written as soon as they exist (`gpu_step_<card>.json` and `.md` under
-`--out`, e.g. `gpu_step_h100.md`), and no new pair starts after `--deadline-s`: the GPU lease is short.
+Each pair's results are written as soon as they exist (a new `gpu_step_<card>_<yyyymmdd-hhmm>.json` and
+`.md` under `--out` per run), and no new pair starts after `--deadline-s`: the GPU lease is short.
 
 Before the pairs a child process compiles the first one with the options a multi-GPU step gets
 (`--no-options-check` skips it): an XLA that aborts on them ends only the child.
@@ -54,6 +54,7 @@ from amsp_jax.core.mesh import batch_spec
 from amsp_jax.cost import timing
 from amsp_jax.cost.hardware import ClusterConfig, from_dict, load
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
+from benchmarks import results_file
 from benchmarks.step_time import abstract, make_batch, optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -254,7 +255,8 @@ def hardware_for(profiled: ClusterConfig) -> dict[str, ClusterConfig]:
 def reprice(path: Path, target: str = "h100-sxm") -> str:
     """Recompute a run's model-derived numbers (MFU, predictions) with today's models and its own profile,
     its measured times kept; the step is rebuilt here for one GPU of `target` (compiled for nothing).
-    Rewrites the run's JSON and Markdown; returns one line per pair, before and after."""
+    Writes nothing (a recorded run's files are never rewritten); returns one line per pair, before and
+    after."""
     report = json.loads(path.read_text())
     config = model_of(report)
     model = Llama(config)
@@ -273,9 +275,6 @@ def reprice(path: Path, target: str = "h100-sxm") -> str:
             f"{before[0]:.1%} -> {row['mfu']:.1%}, predicted (profiled) / measured {before[1]:.2f} -> "
             f"{row['predicted']['profiled']['ratio']:.2f}"
         )
-    report.setdefault("repriced", []).append(time.strftime("%Y-%m-%d"))
-    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    path.with_suffix(".md").write_text(markdown(report))
     return "\n".join(lines)
 
 
@@ -488,7 +487,7 @@ def main() -> int:
         nargs="+",
         metavar="JSON",
         help="no GPU: recompute each run's MFU and predictions with today's models (its times kept) and "
-        "rewrite its JSON and Markdown",
+        "print them beside the recorded ones",
     )
     parser.add_argument(
         "--options-check",
@@ -542,9 +541,12 @@ def main() -> int:
         "rows": [],
     }
 
+    stem = results_file.dated_stem(out, "gpu_step", card(device))
+
     def write() -> None:
-        (out / f"gpu_step_{card(device)}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-        (out / f"gpu_step_{card(device)}.md").write_text(markdown(report))
+        stem.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        title = f"One GPU: {config.name} step"
+        stem.with_suffix(".md").write_text(results_file.header(title) + markdown(report))
 
     for index, pair in enumerate(args.pairs.split(",")):
         if time.perf_counter() - began > args.deadline_s:

@@ -18,7 +18,8 @@ as the run's profile priced it, plus the predicted bytes at the profile's memory
 largest elementwise pass `amsp-jax profile` timed), beside the measured step. Nothing here runs on a
 GPU, and the time model does not use the fit yet.
 
-Run:  JAX_PLATFORMS=cpu python -m benchmarks.gpu_traffic_fit benchmarks/results/gpu_step_h100.json ...
+Run:  JAX_PLATFORMS=cpu python -m benchmarks.gpu_traffic_fit \
+      benchmarks/results/gpu_step_h100_20261126-0743.json ...
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import yaml
 from amsp_jax.compiled import gpu_target
 from amsp_jax.cost.hardware import from_dict
 from amsp_jax.models.llama import Llama, LlamaConfig
+from benchmarks import results_file
 from benchmarks.gpu_step import compiled_traffic, make_trainer, model_of, traced_pairs
 from benchmarks.step_time import make_batch
 
@@ -86,15 +88,16 @@ def fit(device) -> tuple[np.ndarray, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", metavar="JSON", help="gpu_step results with traced pairs")
-    parser.add_argument("--out", default="benchmarks/results/gpu_traffic_fit.md")
+    parser.add_argument("--out", default=str(results_file.RESULTS), help="output directory")
     args = parser.parse_args()
     began = time.perf_counter()
     device = gpu_target.topology("h100-sxm", 1, 1)[0]
     coefficients, fit_error = fit(device)
     lines = [
-        "# GPU memory traffic from the model's shape (compiled for one H100, no GPU)",
+        results_file.header(
+            "GPU memory traffic from the model's shape (compiled for one H100, no GPU)"
+        ).rstrip(),
         "",
-        f"`python -m benchmarks.gpu_traffic_fit {' '.join(args.runs)}` ({time.strftime('%Y-%m-%d')}). "
         f"The form (module docstring) fitted on {len(SHAPES) * 2 * len(REMATS)} probe steps "
         f"({len(SHAPES)} shapes, M = 1 and 2, remat none / dots / full) reproduces their compiled traffic "
         f"within ±{fit_error:.0%}; below, each run's traced pairs, compiled the same way.",
@@ -122,7 +125,8 @@ def main() -> int:
                 f"| {bandwidth / 1e12:.2f} | {step:.3f} | {measured:.3f} | {step / measured:.2f} |"
             )
     lines += ["", f"{time.perf_counter() - began:.0f} s on this machine."]
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    stem = results_file.dated_stem(args.out, "gpu_traffic_fit", "h100-compiled")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -13,7 +13,7 @@ each device orthogonalises L/k of them alone). The gradient and the parameter (f
 moved to that layout inside the update and the update back, the momentum stays in it.
 
     JAX_PLATFORMS=cpu .venv/bin/python -m benchmarks.optimizer_update --nodes 128 --whole-matrices
-writes benchmarks/results/optimizer_update.md (and .json); `--check` exits 1 on any difference.
+writes a dated benchmarks/results/optimizer_update_*.md (and .json); `--check` exits 1 on any difference.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchmarks import results_file  # noqa: E402
+
 GB = 1e9
 
 
@@ -43,7 +46,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         "--whole-matrices", action="store_true", help="also measure whole matrices per device"
     )
     parser.add_argument("--check", action="store_true", help="exit 1 if any leaf differs; write nothing")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "optimizer_update"))
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="output directory")
     return parser.parse_args(argv)
 
 
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}{mark:<8}{r['predicted']} {r['compiled']}")
     if args.check:
         return 1 if bad else 0
-    out = Path(args.out)
+    out = results_file.dated_stem(args.out, "optimizer_update", f"cpu{devices}-compiled")
     out.with_suffix(".json").write_text(json.dumps({"leaves": rows, "whole_matrices": whole}, indent=2))
     out.with_suffix(".md").write_text(report(args, config, rows, whole))
     print(f"wrote {out.with_suffix('.md')}")
@@ -247,7 +250,8 @@ def _gb(totals: dict[str, int], level: str) -> float:
 def report(args: argparse.Namespace, config: Any, rows: list[dict], whole: list[dict]) -> str:
     """The results as Markdown."""
     lines = [
-        "# The optimizer update's collectives: the cost model's rules against compiled HLO",
+        results_file.header("The optimizer update's collectives: the cost model's rules against compiled HLO")
+        .rstrip(),
         "",
         f"{args.model} on {args.nodes} x {args.devices_per_node} = {args.nodes * args.devices_per_node} "
         "devices (CPU mesh, compile only). Per leaf: the real optax update of that leaf, placed as the "

@@ -13,7 +13,7 @@ model, for each configuration's median step and for its fastest one (a shared ma
 interference only ever slows a step, so the fastest is the least disturbed; the planner's choice is
 timed once, as its own row or as the row of the same plan): predicted beside measured, their ratio,
 Spearman's rank correlation, and the planner's choice against the fastest configuration measured.
-Writes `plan_vs_measured.md`, `.json` and a log-log scatter `.png`.
+Writes a dated `plan_vs_measured_cpu8_<date>.md`, `.json` and a log-log scatter `.png`.
 
 Run from the repository root:  .venv/bin/python -m benchmarks.plan_vs_measured
 """
@@ -28,7 +28,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import dataclasses
-import datetime
 import json
 import random
 import statistics
@@ -44,6 +43,7 @@ from amsp_jax.cost import timing
 from amsp_jax.cost.hardware import load
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from amsp_jax.planner import partitioner
+from benchmarks import results_file
 from benchmarks.step_time import make_batch, optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -183,14 +183,14 @@ def is_chosen(row: dict) -> bool:
     return row["name"] == "chosen" or row["name"].endswith(" (chosen)")
 
 
-def write(results: list[dict], out: Path, command: str, hardware: str, seconds: float) -> None:
-    """Markdown, JSON and the scatter plot."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plan_vs_measured.json").write_text(json.dumps(results, indent=2))
+def write(results: list[dict], stem: Path, command: str, hardware: str, seconds: float) -> None:
+    """Markdown, JSON and the scatter plot, as `stem`.md, .json and .png."""
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
     lines = [
-        "# Predicted vs measured step time (CPU mesh, 2 nodes x 4 simulated devices)",
-        "",
-        f"- Command: `{command}`, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {seconds:.0f} s.",
+        results_file.header(
+            "Predicted vs measured step time (CPU mesh, 2 nodes x 4 simulated devices)", command.split()
+        ).rstrip(),
+        f"- Run time {seconds:.0f} s.",
         f"- Load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs.",
         f"- Predictions priced with the cluster config {hardware}.",
         "- Every configuration: micro-batch 1, one micro-batch per step, mixed precision, remat full; the "
@@ -218,7 +218,7 @@ def write(results: list[dict], out: Path, command: str, hardware: str, seconds: 
             lines.append(f"| {r['name']} | {r['plan']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | "
                          f"{r['least_s']:.3f} | {r['ratio']:.2f} | {r['least_ratio']:.2f} |")  # fmt: skip
         lines.append("")
-    (out / "plan_vs_measured.md").write_text("\n".join(lines))
+    stem.with_suffix(".md").write_text("\n".join(lines))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -238,7 +238,7 @@ def write(results: list[dict], out: Path, command: str, hardware: str, seconds: 
     ax.plot(bounds, bounds, "k--", label="y = x")
     ax.set(xscale="log", yscale="log", xlabel="measured step (s)", ylabel="predicted step (s)")
     ax.legend()
-    fig.savefig(out / "plan_vs_measured.png", dpi=120, bbox_inches="tight")
+    fig.savefig(stem.with_suffix(".png"), dpi=120, bbox_inches="tight")
 
 
 def main() -> None:
@@ -266,8 +266,9 @@ def main() -> None:
         parser.error("--rounds must be at least 2: the run's repeatability compares its two halves")
     start = time.perf_counter()
     args.hardware = args.cluster_config
+    stem = results_file.dated_stem(args.out, "plan_vs_measured", "cpu8")
     if args.profile:
-        args.hardware = str(Path(args.out) / "plan_vs_measured.cluster.yaml")
+        args.hardware = f"{stem}.cluster.yaml"
         # 256 KiB: the small model's once-per-step collectives send 30-300 KB per device, between the
         # 64 KiB and 1 MiB points, where the time between points is only a line through them.
         sizes = "4KiB,64KiB,256KiB,1MiB,16MiB"
@@ -282,8 +283,8 @@ def main() -> None:
     ) + ("" if args.profile else " --no-profile")
     hardware = args.hardware
     if args.profile:
-        hardware = "`plan_vs_measured.cluster.yaml`, profiled at the start of this run"
-    write(results, Path(args.out), command, hardware, time.perf_counter() - start)
+        hardware = f"`{Path(args.hardware).name}`, profiled at the start of this run"
+    write(results, stem, command, hardware, time.perf_counter() - start)
     for model in results:
         for label, s in (("medians", model), ("fastest steps", model["least"])):
             print(f"{model['model']} {label}: spearman {s['spearman']:.3f}, within {s['within']:.0%}, "

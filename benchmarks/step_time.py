@@ -11,7 +11,8 @@ runs of the same rounds. The claim of issue 6 is checked on the measured bytes: 
 zero1 move no more bytes per device than GSPMD FSDP and ZeRO-1, across nodes and in total.
 
 Run from the repository root:  .venv/bin/python -m benchmarks.step_time
-Writes `step_time.md`, `step_time.json` and `step_time.png` under `--out`; exits 1 if the claim fails.
+Writes a new dated `step_time_<hardware>_<yyyymmdd-hhmm>` .md, .json and .png under `--out`; exits 1
+if the claim fails.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jaxlib
 import numpy as np
 import optax
 
@@ -45,6 +47,7 @@ from amsp_jax.compiled import audit, hlo
 from amsp_jax.compiled.xla import compile_lowered, compiler_options
 from amsp_jax.core.mesh import ordered_devices
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
+from benchmarks import results_file
 from benchmarks.peer_gspmd import CLAIM_PAIRS, build_gspmd_step, claim_violations, make_mesh, measure_peer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -495,7 +498,8 @@ def markdown(report: dict[str, Any]) -> str:
         "# Step time, bytes and memory: amsp_jax beside the GSPMD peer",
         "",
         f"- Command: `{env['command']}`, {env['date']}, {env['wall_s']:.0f} s in all.",
-        f"- Device: {env['device']}; {env['cluster']}; jax {env['jax']}, Python {env['python']}.",
+        f"- Device: {env['device']}; {env['cluster']}; jax {env['jax']}, jaxlib {env.get('jaxlib', '?')}, "
+        f"Python {env['python']}.",
         f"- Machine load (1-minute load average): {env['load_start']:.2f} at the start, "
         f"{env['load_end']:.2f} at the end, on {env['cpus']} CPUs. {env['load_note']}",
         "- Setup: the same LLaMA, batch and optax chain (clip 1.0, AdamW) on both sides; bf16 compute copy, "
@@ -558,6 +562,7 @@ def environment(argv: list[str], devices: list[jax.Device], cluster: aj.Cluster)
         "cluster": f"cluster {cluster.nodes} nodes x {cluster.devices_per_node} devices ({cluster.name})",
         "jax": jax.__version__,
         "python": platform.python_version(),
+        "jaxlib": jaxlib.__version__,
         "cpus": os.cpu_count(),
         "wire_note": (
             "XLA's CPU backend runs bf16 collectives in fp32, so on CPU every byte count, on both sides, is "
@@ -610,11 +615,10 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.perf_counter() - started,
     }
     report = {"environment": env, "models": models, "notes": NOTES}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "step_time.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    (out / "step_time.md").write_text(markdown(report))
-    chart(report, out / "step_time.png")
+    stem = results_file.dated_stem(args.out, "step_time", results_file.hardware())
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    stem.with_suffix(".md").write_text(markdown(report))
+    chart(report, stem.with_suffix(".png"))
     failed = [
         f"{m['model']}: {c['amsp']} vs {c['peer']}: {p}"
         for m in models
@@ -623,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for line in failed:
         say(f"CLAIM FAILS {line}")
-    say(f"wrote {out}/step_time.{{md,json,png}} in {time.perf_counter() - started:.0f} s")
+    say(f"wrote {stem}.{{md,json,png}} in {time.perf_counter() - started:.0f} s")
     return 1 if failed else 0
 
 

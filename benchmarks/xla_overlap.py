@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import results_file
+
 REPO = Path(__file__).resolve().parent.parent
 MARKER = "XLA_OVERLAP_RESULT "
 # XLA's ExecutionOptions effort levels (`jax_optimization_level`): O1 is what the library asks for.
@@ -215,7 +217,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
     parser.add_argument("--timeout", type=float, default=300, help="seconds one compile may take")
     parser.add_argument("--list-flags", action="store_true", help="also list XLA's scheduling flag names")
-    parser.add_argument("--out", type=Path, help="write OUT.md and OUT.json")
+    parser.add_argument("--out", type=Path, help="a directory for a new dated xla_overlap_*.md and .json")
     parser.add_argument("audit", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -239,9 +241,10 @@ def main() -> int:
         result["scheduling_flags"] = scheduling_flags()
         print("\n".join(result["scheduling_flags"]))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".md").write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        devices = args.nodes * args.devices_per_node
+        stem = results_file.dated_stem(args.out, "xla_overlap", f"{args.target}x{devices}")
+        stem.with_suffix(".md").write_text(text)
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 
