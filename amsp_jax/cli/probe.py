@@ -13,10 +13,9 @@ apart from the master costs and what a split collective's rounded intermediate r
 is timed flat and split), once collectives are priced with the tables just measured; the fit weighs
 each probe by its relative error. Compute is priced with the matmul rates just measured too, times one
 factor the fit finds (`Passes.compute_scale`): the sweep times bare matmuls minutes before the probes
-run, and on the development VM how long the steps' matmuls took against the sweep's rates moved from
-run to run (0.99x and 1.49x in two profiles of one evening); taken as exact, that error landed in the
-pass bandwidth (1.59 and 2.29 GB/s), and with the factor fitted beside it the bandwidth came out at
-2.22 and 2.26 GB/s. The profile writes the sweep's rates divided by the factor: what the steps ran at.
+run, and on a shared host the steps' matmuls may run well off the sweep's rates; taken as exact, that
+error would land in the pass bandwidth. The profile writes the sweep's rates divided by the factor:
+what the steps ran at.
 
 The update's passes belong to the optimizer as much as to the backend: the probes run the
 examples' AdamW chain (global-norm clipping, then AdamW), fp32 master and moments, bf16 compute.
@@ -71,7 +70,7 @@ def _probe_models() -> list[tuple[Any, int]]:
         (LlamaConfig(vocab_size=512, dim=96, n_layers=3, n_heads=3, n_kv_heads=1, ffn_dim=256,
                      max_seq_len=32, name="probe-c"), 32),
         # One whose stored weights outgrow the host's cache (18M parameters), where a stored P costs
-        # time its bytes do not show (`stored_params`); the three above run zero2 level with zero3.
+        # time its bytes do not show (`stored_params`), which the three smaller ones cannot tell apart.
         (LlamaConfig(vocab_size=6144, dim=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=1376,
                      max_seq_len=16, name="probe-d"), 16),
     ]  # fmt: skip

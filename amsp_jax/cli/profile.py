@@ -11,9 +11,9 @@ size·n/(n−1) and that of an all-reduce size·n/(2(n−1)); the bus bandwidth 
 time being what one more collective adds to a program (`measure_collective`): a step launches once
 and runs hundreds of collectives.
 
-Memory bandwidth is read per buffer size (`memory_bandwidths`), the launch subtracted: on a CPU host
-a pass into a fresh buffer of 1 MiB per device ran about 6 GB/s and one of 64 MiB 0.85, and the time
-model prices each of the step's blocks at its size's speed.
+Memory bandwidth is read per buffer size (`memory_bandwidths`), the launch subtracted: a pass into a
+small fresh buffer runs several times faster than one into a large one, and the time model prices each
+of the step's blocks at its size's speed.
 """
 
 from __future__ import annotations
@@ -67,9 +67,8 @@ def _median_seconds_each(
     fns: list[Callable[[], object]], repeats: int, sample_s: float = 0.05
 ) -> list[float]:
     """`_median_seconds` of each of `fns`, sampled in rounds over all of them: a slow spell of a busy
-    host then falls on every one alike rather than on the few measured during it (one profile's bf16
-    matmuls over 32 and 128 tokens came out at 0.6x the rates of the profiles before and after it,
-    and priced every step of the 16M LLaMA 1.4x too high)."""
+    host then falls on every one alike rather than on the few measured during it, which would price
+    every step that uses their rates too high."""
     calls = []
     for fn in fns:
         fn()  # compile and warm up
@@ -104,8 +103,7 @@ def group_meshes(devices: list, nodes: int, per_node: int) -> dict[str, list[tup
     the mesh's axis of that level's name spans one group, its other axes the rest of the devices.
 
     A plan's collectives run over groups of every such size (`p=2x1` gathers over pairs inside a
-    node), and a ring's cost grows with its length: over 2 CPU devices a 40 KiB all-gather took 35 us,
-    over 4 of them 109.
+    node), and a ring's cost grows with its length.
     """
     import numpy as np
     from jax.sharding import AxisType, Mesh
@@ -131,8 +129,8 @@ def measure_collective(
     """Bus bandwidth (bytes/s) of `kind` over mesh axis `axis` (or several, as one group) when each
     device sends `size` bytes, from the time one more collective adds to a program.
 
-    A program of one collective also pays the program's launch (about 100 us on the CPU mesh, as
-    much as a 4 KiB collective), which a step pays once, not per collective: the time is read as the
+    A program of one collective also pays the program's launch (on the CPU mesh as much as a small
+    collective), which a step pays once, not per collective: the time is read as the
     difference between a chain of `CHAIN` dependent collectives and a chain of one, over `CHAIN` − 1.
     Each collective's input depends on the last one's output through an in-place update of one
     element (so XLA neither merges nor simplifies them) and costs no pass over the buffer.
@@ -191,11 +189,9 @@ def measure_compute(
     products of its backward (the weight gradient contracts over the tokens), in each compute dtype:
     over the few dozen tokens one device runs at once, the tokens and the dtype decide most of a
     CPU's rate (XLA:CPU runs bf16 matmuls well below fp32 ones), and on a CPU the width too: widths
-    128, 256 and 512 there (a 0.8M-parameter LLaMA, 128 wide, priced at the 512-wide rate came out at
-    0.67-0.77 of its measured step). On an accelerator
-    the sweep reaches 16,384 tokens and reads each point as the time one more product adds to a
-    program (`in_program_seconds`): on an H100 and an H200 the time model's compute at these rates came
-    within 0.93-1.07 of the step's matmul and attention kernel time (`benchmarks/gpu_step.py`).
+    128, 256 and 512 there, since a narrow model priced at the widest rate is priced too fast. On an
+    accelerator the sweep reaches 16,384 tokens and reads each point as the time one more product adds
+    to a program (`in_program_seconds`), which is how the step runs its kernels.
     """
     import jax
     import jax.numpy as jnp
@@ -242,8 +238,7 @@ def measure_compute(
 
     def in_program_seconds(op: Callable[..., tuple[jax.Array, jax.Array]], operands: tuple) -> float:
         """Seconds one more `op` adds to a program: a step runs its kernels back to back from one
-        program, where a program per call also pays the host's launch (on an H200 a 2,048-token layer
-        product timed per call ran 448 TFLOP/s, the step's own such kernels about 790)."""
+        program, where a program per call also pays the host's launch."""
         rows = operands[0].shape[0] // len(local)
 
         def chain(length: int) -> Callable[..., tuple[jax.Array, jax.Array]]:
@@ -288,9 +283,8 @@ def measure_compute(
 
     launch = elementwise_seconds(4)
     # Read and write per device; the launch is the step's, not the pass's (a small pass would
-    # otherwise look as slow as a program).
-    # An accelerator's pass over 64 MiB still carries its launch (an H100 read 2.4 TB/s there, where a
-    # 1.1B LLaMA step's memory-bound kernels ran 2.7-3.3): it is swept to 1 GiB.
+    # otherwise look as slow as a program). An accelerator's pass over 64 MiB still shows its launch,
+    # so it is swept to 1 GiB.
     memory = [
         (nbytes, 2 * nbytes / max(seconds - launch, seconds / 4))
         for nbytes in PASS_SIZES + (() if cpu else (2**28, 2**30))
@@ -311,7 +305,7 @@ def _matmul_lines(matmuls: dict[str, dict[int, list[tuple[int, float]]]], scale:
     """The `matmul_rates` section: the sweep's rates, each divided by `scale` (`Passes.compute_scale`)."""
     scaled = [] if scale == 1.0 else [
         f"                    # divided by {scale:.4g}: the probe steps' matmuls took that many times",
-        "                    # what the sweep's rates price (amsp_jax/commands/probe.py)",
+        "                    # what the sweep's rates price (amsp_jax/cli/probe.py)",
     ]  # fmt: skip
     return [
         "  matmul_rates:     # measured: by width W, [tokens, GFLOP/s] of (tokens x W) @ (W x W) and its",
@@ -387,14 +381,15 @@ def run(args: argparse.Namespace) -> int:
         f"# Measured by `amsp-jax profile` on {len(devices)} {platform} device(s) as {nodes} nodes x",
         f"# {per_node}, median of {args.repeats} run(s) per point, {time.strftime('%Y-%m-%d')}. Bandwidths:",
         "# nccl-tests bus bandwidth in GB/s by the bytes one device sends in one collective",
-        "# (see amsp_jax/cluster_config.py).",
+        "# (see amsp_jax/cost/hardware.py).",
         f"name: {args.name}",
         f"nodes: {nodes}",
         f"devices_per_node: {per_node}",
     ]
     if platform == "cpu":
         lines.append(
-            "collective_min_itemsize: 4     # XLA:CPU runs 16-bit collectives in fp32 (amsp_jax/cost.py)"
+            "collective_min_itemsize: 4     # XLA:CPU runs 16-bit collectives in fp32 "
+            "(amsp_jax/cost/hardware.py)"
         )
     lines += [
         "device:",
@@ -427,7 +422,7 @@ def run(args: argparse.Namespace) -> int:
     if FLAT in notes:
         lines += [
             "flat_ring:     # the ring of the `flat` tables: a flat collective over this many devices on",
-            "               # this many nodes is priced from them (amsp_jax/cluster_config.py)",
+            "               # this many nodes is priced from them (amsp_jax/cost/hardware.py)",
             f"  devices: {nodes * per_node}",
             f"  nodes: {nodes}",
         ]
@@ -444,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
         start = lines.index(matmul_section[0])
         lines[start : start + len(matmul_section)] = _matmul_lines(matmuls, passes.compute_scale)
         lines += [
-            "memory_passes:     # the probe steps' memory-bound kernels (amsp_jax/commands/probe.py): bytes",
+            "memory_passes:     # the probe steps' memory-bound kernels (amsp_jax/cli/probe.py): bytes",
             "                   # touched per byte of each block, read off the compiled programs, and the",
             "                   # bandwidth and fixed cost per step their timings give",
             f"  bandwidth_gbps: {passes.bandwidth / 1e9:.4g}",
