@@ -13,7 +13,7 @@ import yaml
 
 import amsp_jax as aj
 from amsp_jax.cli import main, probe
-from amsp_jax.cli.profile import PASS_SIZES
+from amsp_jax.cli.rates import PASS_SIZES
 from amsp_jax.compiled import audit
 from amsp_jax.cost import model as cost
 from amsp_jax.cost import timing
