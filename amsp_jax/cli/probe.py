@@ -76,10 +76,11 @@ def _probe_models() -> list[tuple[Any, int]]:
     ]  # fmt: skip
 
 
-def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Probe]:
-    """Compile and read every probe step on this host's devices, then time them all in `repeats` rounds
-    (each round: every probe, one untimed step and two timed), so a slow spell of the machine falls on
-    all of them alike; a probe's time is its median step."""
+def _compiled_probe(
+    cluster_config: Any, model: Any, config: Any, batch: dict, name: str, split: bool
+) -> dict[str, Any] | None:
+    """One probe step compiled and read on this host's devices: its blocks, traffic and priced time, and
+    what timing it needs; None for a preset this mesh cannot hold (e.g. one device)."""
     import jax
     import optax
 
@@ -87,7 +88,60 @@ def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Prob
     from amsp_jax.compiled import audit, hlo
     from amsp_jax.cost import model as cost
     from amsp_jax.cost import timing
-    from amsp_jax.models.llama import Llama, make_loss_fn
+    from amsp_jax.models.llama import make_loss_fn
+
+    cluster = cluster_config.cluster()
+    try:
+        strategy = aj.resolve(name, cluster)
+    except ValueError:
+        return None
+    plan = aj.Plan(cluster, strategy, 1, precision="mixed", remat="full", hierarchical=split,
+                   prefetch=False)  # fmt: skip
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=0.1))
+    trainer = aj.Trainer(plan, model, optimizer, make_loss_fn(model))
+    trainer.setup(jax.random.key(0), batch["inputs"])
+    sharded = trainer.shard_batch(batch)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), sharded)
+    step = trainer.compile(trainer.abstract_state(), abstract)
+    workload = audit.workload_of(trainer, batch, cost.llama_dims(config))
+    estimate = timing.estimate(trainer.layout, workload, cluster_config)
+    transfers = [t for group in timing.traffic(trainer.layout, workload).values() for t in group]
+    rounding = sum(timing.rounding_time(t, cluster_config) for t in transfers)
+    rounded = sum(timing.rounded_at_scale(t, cluster_config) for t in transfers)
+    label = f"{config.name} {name}"
+    return {
+        "label": f"{label} split" if split else label,
+        "twin": label if split else "",
+        "blocks": tuple(timing.pass_blocks(estimate.prediction.memory, workload)[b] for b in BLOCKS),
+        # The rounding passes are priced apart (`rounded`): the blocks' counts leave them out.
+        "traffic": hlo.memory_traffic(step.as_text()) - 2 * sum(t.rounded for t in transfers),
+        "other": estimate.time.compute_s + sum(estimate.time.exposed_s.values()) - rounding,
+        "compute": estimate.time.compute_s,
+        "rounded": rounded,
+        "step": step, "sharded": sharded, "state": trainer.init(jax.random.key(0), batch["inputs"]),
+        "times": [],
+    }  # fmt: skip
+
+
+def _time_probes(compiled: list[dict[str, Any]], repeats: int) -> None:
+    """Each probe's step times, in `repeats` rounds (at least two) over all of them: each round runs every
+    probe once untimed and twice timed, so a slow spell of the machine falls on all of them alike."""
+    import jax
+
+    for _ in range(max(2, repeats)):
+        for probe in compiled:
+            for timed in (False, True, True):
+                start = time.perf_counter()
+                probe["state"], metrics = probe["step"](probe["state"], probe["sharded"])
+                jax.block_until_ready((probe["state"], metrics))
+                if timed:
+                    probe["times"].append(time.perf_counter() - start)
+
+
+def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Probe]:
+    """Compile and read every probe step on this host's devices, then time them all in `repeats` rounds
+    (`_time_probes`); a probe's time is its median step."""
+    from amsp_jax.models.llama import Llama
 
     cluster = cluster_config.cluster()
     compiled = []
@@ -98,47 +152,11 @@ def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Prob
         for name, split in PROBE_PLACEMENTS:
             if split and cluster.nodes == 1:
                 continue  # nothing to split
-            try:
-                strategy = aj.resolve(name, cluster)
-            except ValueError:
-                continue  # a preset this mesh cannot hold (e.g. one device)
-            plan = aj.Plan(cluster, strategy, 1, precision="mixed", remat="full", hierarchical=split,
-                           prefetch=False)  # fmt: skip
-            optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=0.1))
-            trainer = aj.Trainer(plan, model, optimizer, make_loss_fn(model))
-            trainer.setup(jax.random.key(0), batch["inputs"])
-            sharded = trainer.shard_batch(batch)
-            abstract = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), sharded
-            )
-            step = trainer.compile(trainer.abstract_state(), abstract)
-            workload = audit.workload_of(trainer, batch, cost.llama_dims(config))
-            estimate = timing.estimate(trainer.layout, workload, cluster_config)
-            transfers = [t for group in timing.traffic(trainer.layout, workload).values() for t in group]
-            rounding = sum(timing.rounding_time(t, cluster_config) for t in transfers)
-            rounded = sum(timing.rounded_at_scale(t, cluster_config) for t in transfers)
-            label = f"{config.name} {name}"
-            compiled.append({
-                "label": f"{label} split" if split else label,
-                "twin": label if split else "",
-                "blocks": tuple(timing.pass_blocks(estimate.prediction.memory, workload)[b] for b in BLOCKS),
-                # The rounding passes are priced apart (`rounded`): the blocks' counts leave them out.
-                "traffic": hlo.memory_traffic(step.as_text()) - 2 * sum(t.rounded for t in transfers),
-                "other": estimate.time.compute_s + sum(estimate.time.exposed_s.values()) - rounding,
-                "compute": estimate.time.compute_s,
-                "rounded": rounded,
-                "step": step, "sharded": sharded, "state": trainer.init(jax.random.key(0), batch["inputs"]),
-                "times": [],
-            })  # fmt: skip
+            found = _compiled_probe(cluster_config, model, config, batch, name, split)
+            if found is not None:
+                compiled.append(found)
     say(f"  compiled {len(compiled)} probe steps; timing them in {max(2, repeats)} rounds")
-    for _ in range(max(2, repeats)):
-        for probe in compiled:
-            for timed in (False, True, True):
-                start = time.perf_counter()
-                probe["state"], metrics = probe["step"](probe["state"], probe["sharded"])
-                jax.block_until_ready((probe["state"], metrics))
-                if timed:
-                    probe["times"].append(time.perf_counter() - start)
+    _time_probes(compiled, repeats)
     probes = []
     for found in compiled:
         probes.append(Probe(found["label"], found["blocks"], found["traffic"], found["other"],
