@@ -141,7 +141,7 @@ def test_report_json_and_table():
     )
     table = report_for("zero1", 1).table()
     assert "MATCH" in table
-    # The schedule is the installed XLA's (jaxlib 0.10.2 and 0.11.2 overlap a 1,024-GPU step 92 % and 58 %).
+    # The schedule, and so the overlap, is the installed XLA's: it differs between jaxlib releases.
     jaxlib = importlib.metadata.version("jaxlib")
     assert table.splitlines()[0].endswith(f"(compiled by jaxlib {jaxlib})") and data["jaxlib"] == jaxlib
 

@@ -234,6 +234,12 @@ CLI_CASES = [
         message=r"--nodes 4 x --devices-per-node 4 = 16 devices, but JAX has 8",
     ),
     audit("zero micro-batches", "--micro-batches", "0", message=r"--micro-batches must be at least 1, got 0"),
+    audit(
+        "zero memory limit",
+        "--memory-limit",
+        "0",
+        message=r"--memory-limit must be a number of GiB above 0, got 0$",
+    ),
     audit("malformed model YAML", "--model", "{dir}/unclosed.yaml", message=r"is not valid YAML"),
     audit("unknown remat", "--remat", "some", message=r"argument --remat: invalid choice: 'some'"),
     Cli(

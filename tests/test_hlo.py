@@ -1,6 +1,8 @@
-"""Tests of the HLO collective parser: hand-written HLO snippets and one program compiled on 8 CPU devices."""
+"""Tests of the HLO readers: hand-written modules (`tests/hlo/*.txt`) and programs compiled on CPU devices."""
 
 import dataclasses
+from pathlib import Path
+from string import Template
 
 import jax
 import jax.numpy as jnp
@@ -20,13 +22,17 @@ from amsp_jax.compiled.hlo import (
     parse_collectives,
 )
 
-ADD = """
-%add (x: f32[], y: f32[]) -> f32[] {
-  %x = f32[] parameter(0)
-  %y = f32[] parameter(1)
-  ROOT %sum = f32[] add(%x, %y)
-}
-"""
+FIXTURES = Path(__file__).parent / "hlo"
+
+
+def _hlo(name: str) -> str:
+    """The hand-written HLO module `tests/hlo/<name>.txt`."""
+    return (FIXTURES / f"{name}.txt").read_text()
+
+
+def _peeled_loop(init: str, bound: int, direction: str) -> str:
+    """A loop shaped as XLA's GPU passes leave it: no known_trip_count, fused compare and add."""
+    return Template(_hlo("peeled_loop")).substitute(init=init, bound=bound, direction=direction)
 
 
 def _groups(array: np.ndarray) -> tuple[tuple[int, ...], ...]:
@@ -35,14 +41,6 @@ def _groups(array: np.ndarray) -> tuple[tuple[int, ...], ...]:
 
 def _by_name(collectives: list[Collective]) -> dict[str, Collective]:
     return {c.name: c for c in collectives}
-
-
-COND = """
-%cond (c: (s32[], f32[8])) -> pred[] {
-  %c = (s32[], f32[8]{0}) parameter(0)
-  ROOT %t = pred[] constant(true)
-}
-"""
 
 
 def test_explicit_and_empty_groups():
@@ -98,44 +96,8 @@ def test_mesh_groups_match_numpy(text, expected):
     assert expand_replica_groups(text, 8) == _groups(expected)
 
 
-NESTED = (
-    ADD
-    + COND
-    + """
-%inner (i: (s32[], f32[8])) -> (s32[], f32[8]) {
-  %i = (s32[], f32[8]{0}) parameter(0)
-  %iv = f32[8]{0} get-tuple-element(%i), index=1
-  %ar = f32[8]{0} all-reduce(%iv), channel_id=1, replica_groups={{0,1},{2,3}}, to_apply=%add
-  %ic = s32[] get-tuple-element(%i), index=0
-  ROOT %it = (s32[], f32[8]{0}) tuple(%ic, %ar)
-}
-
-%outer (o: (s32[], f32[8])) -> (s32[], f32[8]) {
-  %o = (s32[], f32[8]{0}) parameter(0)
-  %ov = f32[8]{0} get-tuple-element(%o), index=1
-  %ag = f32[32]{0} all-gather(%ov), channel_id=2, replica_groups=[1,4]<=[4], dimensions={0}
-  %w2 = (s32[], f32[8]{0}) while(%o), condition=%cond, body=%inner,
-      backend_config={"known_trip_count":{"n":"3"}}
-  %oc = s32[] get-tuple-element(%o), index=0
-  %ov2 = f32[8]{0} get-tuple-element(%w2), index=1
-  ROOT %ot = (s32[], f32[8]{0}) tuple(%oc, %ov2)
-}
-
-ENTRY %main (p: f32[8]) -> f32[8] {
-  %p = f32[8]{0} parameter(0)
-  %zero = s32[] constant(0)
-  %init = (s32[], f32[8]{0}) tuple(%zero, %p)
-  %w1 = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%outer,
-      backend_config={"known_trip_count":{"n":"4"}}
-  %rs = f32[2]{0} reduce-scatter(%p), channel_id=3, replica_groups={}, dimensions={0}, to_apply=%add
-  ROOT %out = f32[8]{0} get-tuple-element(%w1), index=1
-}
-"""
-)
-
-
 def test_nested_loops_multiply_trip_counts():
-    found = _by_name(parse_collectives(NESTED, 4))
+    found = _by_name(parse_collectives(_hlo("nested_loops"), 4))
     assert set(found) == {"ar", "ag", "rs"}
     assert (found["ar"].trip_count, found["ar"].computation) == (12, "inner")
     assert (found["ag"].trip_count, found["ag"].computation) == (4, "outer")
@@ -145,71 +107,19 @@ def test_nested_loops_multiply_trip_counts():
 
 
 def test_unknown_trip_count_raises_naming_the_loop():
-    text = NESTED.replace('body=%inner,\n      backend_config={"known_trip_count":{"n":"3"}}', "body=%inner")
+    text = _hlo("nested_loops_unknown_trip_count")
     assert "inner," not in text
     with pytest.raises(ValueError, match=r"'w2'.*'outer'.*no known_trip_count.*'ar'"):
         parse_collectives(text, 4)
 
 
 def test_unknown_trip_count_without_collectives_is_fine():
-    text = (
-        COND
-        + """
-%body (b: (s32[], f32[8])) -> (s32[], f32[8]) {
-  ROOT %b = (s32[], f32[8]{0}) parameter(0)
-}
-
-ENTRY %main (p: (s32[], f32[8])) -> (s32[], f32[8]) {
-  %init_w = (s32[], f32[8]{0}) parameter(0)
-  ROOT %w = (s32[], f32[8]{0}) while(%init_w), condition=%cond, body=%body
-}
-"""
-    )
+    text = _hlo("loop_without_collectives")
     assert parse_collectives(text, 4) == []
 
 
-ASYNC = (
-    ADD
-    + """
-%wrapped_rs (q: f32[16,4]) -> f32[4,4] {
-  %q = f32[16,4]{1,0} parameter(0)
-  ROOT %rs = f32[4,4]{1,0} reduce-scatter(%q), channel_id=4, replica_groups={{0,1,2,3}}, dimensions={0},
-      to_apply=%add
-}, execution_thread="main"
-
-ENTRY %main (p: f32[16,4], p2: bf16[8]) -> f32[4,4] {
-  %p = f32[16,4]{1,0} parameter(0)
-  %p2 = bf16[8]{0} parameter(1)
-  %ags = (f32[16,4]{1,0}, f32[64,4]{1,0}) all-gather-start(%p), channel_id=1, replica_groups={{0,1,2,3}},
-      dimensions={0}
-  %agd = f32[64,4]{1,0} all-gather-done(%ags)
-  %ars = (f32[16,4]{1,0}, bf16[8]{0}) all-reduce-start(%p, %p2), channel_id=2, replica_groups={},
-      to_apply=%add
-  %ard = (f32[16,4]{1,0}, bf16[8]{0}) all-reduce-done(%ars)
-  %agc = ((f32[16,4]{1,0}, bf16[8]{0}), (f32[64,4]{1,0}, bf16[32]{0})) all-gather-start(%p, %p2),
-      replica_groups=[1,4]<=[4], dimensions={0}
-  %agcd = (f32[64,4]{1,0}, bf16[32]{0}) all-gather-done(%agc)
-  %war = ((f32[16,4]{1,0}), f32[16,4]{1,0}) all-reduce-start(%p), replica_groups={}, to_apply=%add
-  %ward = f32[16,4]{1,0} all-reduce-done(%war)
-  %cps = (f32[16,4]{1,0}, f32[16,4]{1,0}, u32[], u32[]) collective-permute-start(%p), channel_id=3,
-      source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
-  %cpd = f32[16,4]{1,0} collective-permute-done(%cps)
-  %a2s = ((f32[16,4]{1,0}), f32[16,4]{1,0}) all-to-all-start(%p), channel_id=5, replica_groups={{0,1},{2,3}},
-      dimensions={0}
-  %a2d = f32[16,4]{1,0} all-to-all-done(%a2s)
-  %rss = ((f32[16,4]{1,0}), f32[8,4]{1,0}) reduce-scatter-start(%p), channel_id=6,
-      replica_groups={{0,1},{2,3}}, dimensions={0}, to_apply=%add
-  %rsd = f32[8,4]{1,0} reduce-scatter-done(%rss)
-  %wrs = ((f32[16,4]{1,0}), f32[4,4]{1,0}, s32[]) async-start(%p), calls=%wrapped_rs
-  %wru = ((f32[16,4]{1,0}), f32[4,4]{1,0}, s32[]) async-update(%wrs), calls=%wrapped_rs
-  ROOT %wrd = f32[4,4]{1,0} async-done(%wru), calls=%wrapped_rs
-}
-"""
-)
-
-
 def test_async_pairs_count_once_with_output_bytes():
-    found = parse_collectives(ASYNC, 4)
+    found = parse_collectives(_hlo("async_pairs"), 4)
     assert [(c.name, c.kind) for c in found] == [
         ("rs", "reduce-scatter"),
         ("ags", "all-gather"),
@@ -237,7 +147,7 @@ def test_async_pairs_count_once_with_output_bytes():
 
 
 def test_async_wrapper_computation_holds_the_collective():
-    rs = _by_name(parse_collectives(ASYNC, 4))["rs"]
+    rs = _by_name(parse_collectives(_hlo("async_pairs"), 4))["rs"]
     assert rs == Collective(
         kind="reduce-scatter",
         name="rs",
@@ -252,31 +162,7 @@ def test_async_wrapper_computation_holds_the_collective():
 
 
 def test_async_wrapper_inside_loop_takes_the_trip_count():
-    body = (
-        ADD
-        + COND
-        + """
-%wrapped (q: f32[8]) -> f32[2] {
-  %q = f32[8]{0} parameter(0)
-  ROOT %rs = f32[2]{0} reduce-scatter(%q), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0},
-      to_apply=%add
-}
-
-%body (b: (s32[], f32[8])) -> (s32[], f32[8]) {
-  %b = (s32[], f32[8]{0}) parameter(0)
-  %v = f32[8]{0} get-tuple-element(%b), index=1
-  %s = ((f32[8]{0}), f32[2]{0}) async-start(%v), calls=%wrapped
-  %d = f32[2]{0} async-done(%s), calls=%wrapped
-  ROOT %r = (s32[], f32[8]{0}) copy(%b)
-}
-
-ENTRY %main (p: (s32[], f32[8])) -> (s32[], f32[8]) {
-  %init_w = (s32[], f32[8]{0}) parameter(0)
-  ROOT %w = (s32[], f32[8]{0}) while(%init_w), condition=%cond, body=%body,
-      backend_config={"known_trip_count":{"n":"7"}}
-}
-"""
-    )
+    body = _hlo("async_wrapper_in_loop")
     [rs] = parse_collectives(body, 4)
     assert (rs.name, rs.computation, rs.trip_count, rs.operand_bytes, rs.result_bytes) == (
         "rs",
@@ -288,17 +174,7 @@ ENTRY %main (p: (s32[], f32[8])) -> (s32[], f32[8]) {
 
 
 def test_tuple_shaped_combined_all_reduce():
-    text = (
-        ADD
-        + """
-ENTRY %main (a: f32[2], b: bf16[4,4]) -> (f32[2], bf16[4,4]) {
-  %a = f32[2]{0} parameter(0)
-  %b = bf16[4,4]{1,0} parameter(1)
-  ROOT %ar = (f32[2]{0}, bf16[4,4]{1,0}) all-reduce(%a, %b), channel_id=1, replica_groups=[2,2]<=[4],
-      to_apply=%add
-}
-"""
-    )
+    text = _hlo("combined_all_reduce")
     [ar] = parse_collectives(text, 4)
     assert (ar.kind, ar.operand_bytes, ar.result_bytes, ar.dtype) == ("all-reduce", 40, 40, "f32")
     assert ar.replica_groups == ((0, 1), (2, 3))
@@ -306,67 +182,13 @@ ENTRY %main (a: f32[2], b: bf16[4,4]) -> (f32[2], bf16[4,4]) {
 
 def test_scalars_concatenated_into_one_all_reduce_are_scalar_reductions():
     # As XLA:GPU combines the loss and norm partial sums (seen compiling LLaMA-30B for 1,024 A100s).
-    text = (
-        ADD
-        + """
-ENTRY %main (a: f32[], b: f32[], c: f32[3]) -> (f32[2], f32[3]) {
-  %a = f32[] parameter(0)
-  %b = f32[] parameter(1)
-  %c = f32[3]{0} parameter(2)
-  %a1 = f32[1]{0} bitcast(%a)
-  %b1 = f32[1]{0} bitcast(%b)
-  %joined = f32[2]{0} concatenate(%a1, %b1), dimensions={0}
-  %scalars = f32[2]{0} all-reduce(%joined), channel_id=1, replica_groups={{0,1}}, to_apply=%add
-  %tensor = f32[3]{0} all-reduce(%c), channel_id=2, replica_groups={{0,1}}, to_apply=%add
-  ROOT %out = (f32[2]{0}, f32[3]{0}) tuple(%scalars, %tensor)
-}
-"""
-    )
+    text = _hlo("concatenated_scalars")
     found = _by_name(parse_collectives(text, 2))
     assert found["scalars"].scalar and not found["tensor"].scalar
 
 
 def test_calls_conditionals_and_fusions_are_followed():
-    text = (
-        ADD
-        + """
-%fused (f: f32[8]) -> f32[32] {
-  %f = f32[8]{0} parameter(0)
-  ROOT %fag = f32[32]{0} all-gather(%f), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
-}
-
-%callee (c: f32[8]) -> f32[8] {
-  %c = f32[8]{0} parameter(0)
-  %red = f32[] reduce(%c, %c0), dimensions={0}, to_apply=%add
-  %c0 = f32[] constant(0)
-  ROOT %car = f32[8]{0} all-reduce(%c), channel_id=2, replica_groups={{0,1},{2,3}}, to_apply=%add
-}
-
-%yes (t: f32[8]) -> f32[8] {
-  %t = f32[8]{0} parameter(0)
-  ROOT %ya2a = f32[8]{0} all-to-all(%t), channel_id=3, replica_groups={{0,1,2,3}}, dimensions={0}
-}
-
-%no (n: f32[8]) -> f32[8] {
-  ROOT %n = f32[8]{0} parameter(0)
-}
-
-%b0 (x0: f32[8]) -> f32[8] {
-  %x0 = f32[8]{0} parameter(0)
-  ROOT %bcp = f32[8]{0} collective-permute(%x0), channel_id=4, source_target_pairs={{0,2},{2,0}}
-}
-
-ENTRY %main (p: f32[8], flag: pred[], idx: s32[]) -> f32[8] {
-  %p = f32[8]{0} parameter(0)
-  %flag = pred[] parameter(1)
-  %idx = s32[] parameter(2)
-  %fu = f32[32]{0} fusion(%p), kind=kLoop, calls=%fused
-  %cl = f32[8]{0} call(%p), to_apply=%callee
-  %tf = f32[8]{0} conditional(%flag, %p, %p), true_computation=%yes, false_computation=%no
-  ROOT %br = f32[8]{0} conditional(%idx, %p, %p), branch_computations={%b0, %no}
-}
-"""
-    )
+    text = _hlo("calls_conditionals_fusions")
     found = _by_name(parse_collectives(text, 4))
     assert {name: (c.kind, c.computation) for name, c in found.items()} == {
         "fag": ("all-gather", "fused"),
@@ -378,44 +200,13 @@ ENTRY %main (p: f32[8], flag: pred[], idx: s32[]) -> f32[8] {
 
 
 def test_collective_outside_the_call_graph_raises():
-    text = (
-        ADD
-        + """
-%orphan (o: f32[8]) -> f32[8] {
-  %o = f32[8]{0} parameter(0)
-  ROOT %lost = f32[8]{0} all-reduce(%o), replica_groups={}, to_apply=%add
-}
-
-ENTRY %main (p: f32[8]) -> f32[8] {
-  ROOT %p = f32[8]{0} parameter(0)
-}
-"""
-    )
+    text = _hlo("orphan_collective")
     with pytest.raises(ValueError, match=r"'lost'.*not reached from ENTRY"):
         parse_collectives(text, 4)
 
 
 def test_shapes_layouts_inline_operand_shapes_and_index_comments():
-    text = (
-        ADD
-        + """
-ENTRY %main (p0: f32[8,128], p1: bf16[8], p2: s32[], p3: pred[4], p4: f16[2], p5: s8[16]) -> f32[8,128] {
-  %p0 = f32[8,128]{1,0:T(8,128)} parameter(0)
-  %p1 = bf16[8]{0} parameter(1)
-  %p2 = s32[] parameter(2)
-  %p3 = pred[4]{0} parameter(3)
-  %p4 = f16[2]{0} parameter(4)
-  %p5 = s8[16]{0} parameter(5)
-  %u = u32[3]{0} constant({1, 2, 3})
-  %d = f64[1]{0} constant({1})
-  %combined = (f32[8,128]{1,0:T(8,128)}, bf16[8]{0}, s32[], pred[4]{0}, f16[2]{0},
-      /*index=5*/s8[16]{0}, u32[3]{0}, f64[1]{0}) all-reduce(%p0, %p1, %p2, %p3, %p4, /*index=5*/%p5, %u, %d),
-      replica_groups={}, to_apply=%add, metadata={op_name="jit(f)/psum{a,b}" source_file="x.py"}
-  %old = f32[32,128]{1,0} all-gather(f32[8,128]{1,0:T(8,128)} %p0), replica_groups={{0,1,2,3}}, dimensions={0}
-  ROOT %r = f32[8,128]{1,0} copy(%p0)
-}
-"""
-    )
+    text = _hlo("shapes_layouts_comments")
     found = _by_name(parse_collectives(text, 4))
     expected = 8 * 128 * 4 + 8 * 2 + 4 + 4 + 2 * 2 + 16 + 3 * 4 + 8
     # The one-element arrays (s32[] and f64[1]) are scalar reductions merged into the tuple: recorded apart.
@@ -427,18 +218,7 @@ ENTRY %main (p0: f32[8,128], p1: bf16[8], p2: s32[], p3: pred[4], p4: f16[2], p5
 
 
 def test_mesh_replica_groups_in_an_instruction():
-    text = (
-        ADD
-        + """
-ENTRY %main (p: f32[8]) -> f32[8] {
-  %p = f32[8]{0} parameter(0)
-  %a = f32[8]{0} all-reduce(%p), channel_id=1, replica_groups=mesh['x'=2,'y'=4] {'x'}, to_apply=%add
-  ROOT %b = f32[8]{0} all-reduce(%a), channel_id=2,
-      replica_groups=mesh['x'=2,'y'=4], device_ids=(7,6,5,4,3,2,1,0) {'y'}, use_global_device_ids=true,
-      to_apply=%add
-}
-"""
-    )
+    text = _hlo("mesh_replica_groups")
     found = _by_name(parse_collectives(text, 8))
     assert found["a"].replica_groups == ((0, 4), (1, 5), (2, 6), (3, 7))
     assert found["b"].replica_groups == ((7, 6, 5, 4), (3, 2, 1, 0))
@@ -521,50 +301,6 @@ def test_real_compiled_shard_map_program():
     assert crosses(rs, node_of_device)
 
 
-def _peeled_loop(init: str, bound: int, direction: str) -> str:
-    """A loop shaped as XLA's GPU passes leave it: no known_trip_count, fused compare and add."""
-    return f"""
-%fused_compare (p0: s32[]) -> pred[] {{
-  %p0 = s32[] parameter(0)
-  %bound = s32[] constant({bound})
-  ROOT %test = pred[] compare(%p0, %bound), direction={direction}
-}}
-
-%cond (c: (s32[], f32[8])) -> pred[] {{
-  %c = (s32[], f32[8]{{0}}) parameter(0)
-  %ci = s32[] get-tuple-element(%c), index=0
-  ROOT %cf = pred[] fusion(%ci), kind=kLoop, calls=%fused_compare
-}}
-
-%fused_add (p0: s32[]) -> s32[] {{
-  %p0 = s32[] parameter(0)
-  %two = s32[] constant(2)
-  ROOT %sum = s32[] add(%p0, %two)
-}}
-
-%body (b: (s32[], f32[8])) -> (s32[], f32[8]) {{
-  %b = (s32[], f32[8]{{0}}) parameter(0)
-  %bi = s32[] get-tuple-element(%b), index=0
-  %bv = f32[8]{{0}} get-tuple-element(%b), index=1
-  %ag = f32[32]{{0}} all-gather(%bv), channel_id=1, replica_groups=[1,4]<=[4], dimensions={{0}}
-  %bc = s32[] copy(%bi)
-  %next = s32[] fusion(%bc), kind=kLoop, calls=%fused_add
-  ROOT %bt = (s32[], f32[8]{{0}}) tuple(%next, %bv)
-}}
-
-ENTRY %main (p: f32[8], q: s32[]) -> f32[8] {{
-  %p = f32[8]{{0}} parameter(0)
-  %q = s32[] parameter(1)
-  %start = s32[] {init}
-  %first = s32[] copy(%start)
-  %tup = (s32[], f32[8]{{0}}) tuple(%first, %p)
-  %w = (s32[], f32[8]{{0}}) while(%tup), condition=%cond, body=%body,
-      backend_config={{"known_induction_variable":{{"tuple_index":"0"}}}}
-  ROOT %out = f32[8]{{0}} get-tuple-element(%w), index=1
-}}
-"""
-
-
 @pytest.mark.parametrize(
     ("init", "bound", "direction", "trips"),
     [(1, 5, "LT", 2), (0, 5, "LT", 3), (0, 4, "LE", 3), (2, 9, "NE", None), (6, 5, "LT", 0), (1, 3, "NE", 1)],
@@ -585,45 +321,8 @@ def test_trip_count_with_an_unknown_init_raises():
         parse_collectives(_peeled_loop("copy(%q)", 5, "LT"), 4)
 
 
-SCHEDULED = """
-%gemm (x: bf16[8,8], y: bf16[8,8]) -> bf16[8,8] {
-  %x = bf16[8,8]{1,0} parameter(0)
-  %y = bf16[8,8]{1,0} parameter(1)
-  ROOT %d = bf16[8,8]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-}
-
-%scale (x: bf16[8,8]) -> bf16[8,8] {
-  %x = bf16[8,8]{1,0} parameter(0)
-  ROOT %m = bf16[8,8]{1,0} multiply(%x, %x)
-}
-
-%add (x: bf16[], y: bf16[]) -> bf16[] {
-  %x = bf16[] parameter(0)
-  %y = bf16[] parameter(1)
-  ROOT %s = bf16[] add(%x, %y)
-}
-
-ENTRY %main (p: bf16[2,8], q: bf16[8,8]) -> bf16[8,8] {
-  %p = bf16[2,8]{1,0} parameter(0)
-  %q = bf16[8,8]{1,0} parameter(1)
-  %ags = (bf16[2,8]{1,0}, bf16[8,8]{1,0}) all-gather-start(%p), channel_id=1, replica_groups={{0,1,2,3}},
-      dimensions={0}, backend_config={"is_sync":false}
-  %f = bf16[8,8]{1,0} fusion(%q, %q), kind=kCustom, calls=%gemm
-  %agd = bf16[8,8]{1,0} all-gather-done(%ags)
-  %rss = ((bf16[8,8]{1,0}), bf16[2,8]{1,0}) reduce-scatter-start(%f), channel_id=2,
-      replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add, backend_config={"is_sync":true}
-  %rsd = bf16[2,8]{1,0} reduce-scatter-done(%rss)
-  %ags2 = (bf16[2,8]{1,0}, bf16[8,8]{1,0}) all-gather-start(%rsd), channel_id=3,
-      replica_groups={{0,1,2,3}}, dimensions={0}, backend_config={"is_sync":false}
-  %e = bf16[8,8]{1,0} fusion(%agd), kind=kLoop, calls=%scale
-  %agd2 = bf16[8,8]{1,0} all-gather-done(%ags2)
-  ROOT %ar = bf16[8,8]{1,0} all-reduce(%agd2), channel_id=4, replica_groups={{0,1,2,3}}, to_apply=%add
-}
-"""
-
-
 def test_overlaps_read_the_schedule_between_start_and_done():
-    found = overlaps(SCHEDULED)
+    found = overlaps(_hlo("scheduled"))
     assert set(found) == {"ags", "rss", "ags2", "ar"}
     assert (found["ags"].compute, found["ags"].is_sync, found["ags"].hidden) == (("f",), False, True)
     # XLA marked it synchronous: nothing runs beside it, whatever the text order says.
@@ -634,26 +333,7 @@ def test_overlaps_read_the_schedule_between_start_and_done():
 
 
 def test_overlaps_of_an_async_wrapper_and_of_a_loop_holding_compute():
-    wrapped = ASYNC.replace(
-        "ROOT %wrd = f32[4,4]{1,0} async-done(%wru), calls=%wrapped_rs",
-        "%loop = f32[16,4]{1,0} call(%p), to_apply=%holds_dot\n"
-        "  ROOT %wrd = f32[4,4]{1,0} async-done(%wru), calls=%wrapped_rs",
-    ).replace(
-        "%wrs = ((f32[16,4]{1,0}), f32[4,4]{1,0}, s32[]) async-start(%p), calls=%wrapped_rs",
-        "%wrs = ((f32[16,4]{1,0}), f32[4,4]{1,0}, s32[]) async-start(%p), calls=%wrapped_rs\n"
-        "  %between = f32[16,4]{1,0} call(%p), to_apply=%holds_dot",
-    )
-    wrapped = (
-        """
-%holds_dot (x: f32[16,4]) -> f32[16,4] {
-  %x = f32[16,4]{1,0} parameter(0)
-  %xt = f32[4,16]{0,1} transpose(%x), dimensions={1,0}
-  %sq = f32[16,16]{1,0} dot(%x, %xt), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-  ROOT %back = f32[16,4]{1,0} slice(%sq), slice={[0:16], [0:4]}
-}
-"""
-        + wrapped
-    )
+    wrapped = _hlo("async_wrapper_around_compute")
     found = overlaps(wrapped)
     # The reduce-scatter inside %wrapped_rs is timed by its wrapper's start/update/done in ENTRY.
     assert found["rs"].computation == "wrapped_rs"
@@ -661,43 +341,13 @@ def test_overlaps_of_an_async_wrapper_and_of_a_loop_holding_compute():
     assert found["rs"].hidden
 
 
-# jaxlib 0.11.2's GPU step (MiCS on 16 H100s) runs the loss's scalar all-reduce as an async fusion.
-ASYNC_FUSION = """
-%add (x: f32[], y: f32[]) -> f32[] {
-  %x = f32[] parameter(0)
-  %y = f32[] parameter(1)
-  ROOT %s = f32[] add(%x, %y)
-}
-
-%fused_all-reduce (param_0: f32[]) -> f32[] {
-  %param_0 = f32[] parameter(0)
-  ROOT %all-reduce.2 = f32[] all-reduce(%param_0), channel_id=3, replica_groups={{0,1},{2,3}},
-      use_global_device_ids=true, to_apply=%add
-}
-
-%gemm (x: bf16[8,8], y: bf16[8,8]) -> bf16[8,8] {
-  %x = bf16[8,8]{1,0} parameter(0)
-  %y = bf16[8,8]{1,0} parameter(1)
-  ROOT %d = bf16[8,8]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-}
-
-ENTRY %main (p: f32[], q: bf16[8,8]) -> f32[] {
-  %p = f32[] parameter(0)
-  %q = bf16[8,8]{1,0} parameter(1)
-  %fusion-start = ((f32[]), f32[]) fusion-start(%p), kind=kCustom, calls=%fused_all-reduce,
-      backend_config={"fusion_backend_config":{"kind":"__triton_collective"}}
-  %f = bf16[8,8]{1,0} fusion(%q, %q), kind=kCustom, calls=%gemm
-  ROOT %fusion-done = f32[] fusion-done(%fusion-start)
-}
-"""
-
-
 def test_an_async_fusion_holding_a_collective_is_followed_and_times_it():
-    [reduction] = parse_collectives(ASYNC_FUSION, 4)
+    # jaxlib >= 0.11 may run the loss's scalar all-reduce as an async fusion (fusion-start/fusion-done).
+    [reduction] = parse_collectives(_hlo("async_fusion"), 4)
     assert (reduction.name, reduction.computation, reduction.trip_count, reduction.scalar) == (
         "all-reduce.2", "fused_all-reduce", 1, True,
     )  # fmt: skip
-    found = overlaps(ASYNC_FUSION)["all-reduce.2"]
+    found = overlaps(_hlo("async_fusion"))["all-reduce.2"]
     assert (found.asynchronous, found.compute, found.hidden) == (True, ("f",), True)
 
 
@@ -740,37 +390,14 @@ def test_memory_traffic_counts_an_in_place_update_by_its_slice():
     assert 4 * 2 * 2**18 <= traffic[8] - traffic[4] < 4 * 4 * 2**18
 
 
-IN_PLACE_UPDATE = """
-%fused_update (buffer: f32[16,1024], row: f32[1,1024], at: s32[]) -> f32[16,1024] {
-  %buffer = f32[16,1024]{1,0} parameter(0)
-  %row = f32[1,1024]{1,0} parameter(1)
-  %at = s32[] parameter(2)
-  %zero = s32[] constant(0)
-  ROOT %update = f32[16,1024]{1,0} dynamic-update-slice(%buffer, %row, %at, %zero)
-}
-
-ENTRY %main (buffer: f32[16,1024], row: f32[1,1024], at: s32[]) -> f32[16,1024] {
-  %buffer = f32[16,1024]{1,0} parameter(0)
-  %row = f32[1,1024]{1,0} parameter(1)
-  %at = s32[] parameter(2)
-  ROOT %updated = f32[16,1024]{1,0} fusion(%buffer, %row, %at), kind=kLoop, calls=%fused_update
-}
-"""
-
-
 def test_memory_traffic_counts_an_async_fusion_as_the_fusion_it_starts():
     # jaxlib 0.11 starts some loop fusions asynchronously (a layer loop's in-place updates among them).
-    started = IN_PLACE_UPDATE.replace(
-        "ROOT %updated = f32[16,1024]{1,0} fusion(%buffer, %row, %at), kind=kLoop, calls=%fused_update",
-        "%start = ((f32[16,1024]{1,0}, f32[1,1024]{1,0}, s32[]), f32[16,1024]{1,0}, u32[]) fusion-start("
-        "%buffer, %row, %at), kind=kLoop, calls=%fused_update\n"
-        "  ROOT %updated = f32[16,1024]{1,0} fusion-done(%start)",
-    )
+    started = _hlo("in_place_update_started")
     assert "fusion-start" in started
     # The 4 KiB row is read and its slot of the buffer read and written, the rest of the 64 KiB buffer
     # left alone (plus the 4-byte index).
-    assert memory_traffic(IN_PLACE_UPDATE) == 3 * 4096 + 4
-    assert memory_traffic(started) == memory_traffic(IN_PLACE_UPDATE)
+    assert memory_traffic(_hlo("in_place_update")) == 3 * 4096 + 4
+    assert memory_traffic(started) == memory_traffic(_hlo("in_place_update"))
 
 
 def test_memory_traffic_counts_a_slice_of_a_stacked_buffer_by_the_slice():
@@ -789,56 +416,6 @@ def test_memory_traffic_counts_a_slice_of_a_stacked_buffer_by_the_slice():
     assert 4 * 3 * 2**18 <= extra < 4 * 4 * 2**18
 
 
-PRICED = """
-HloModule priced, is_scheduled=true
-
-%gemm (p0: f32[64,128], p1: f32[128,256]) -> f32[64,256] {
-  %p0 = f32[64,128]{1,0} parameter(0)
-  %p1 = f32[128,256]{1,0} parameter(1)
-  ROOT %d = f32[64,256]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-}
-
-%scale (p: f32[64,256]) -> f32[64,256] {
-  %p = f32[64,256]{1,0} parameter(0)
-  %c = f32[] constant(2)
-  %b = f32[64,256]{1,0} broadcast(%c), dimensions={}
-  ROOT %m = f32[64,256]{1,0} multiply(%p, %b)
-}
-
-%body (t: (s32[], f32[64,128], f32[32,256])) -> (s32[], f32[64,128], f32[32,256]) {
-  %t = (s32[], f32[64,128]{1,0}, f32[32,256]{1,0}) parameter(0)
-  %i = s32[] get-tuple-element(%t), index=0
-  %x = f32[64,128]{1,0} get-tuple-element(%t), index=1
-  %ws = f32[32,256]{1,0} get-tuple-element(%t), index=2
-  %ag = (f32[32,256]{1,0}, f32[128,256]{1,0}) all-gather-start(%ws), replica_groups={{0,1,2,3}},
-    dimensions={0}
-  %agd = f32[128,256]{1,0} all-gather-done(%ag)
-  %y = f32[64,256]{1,0} fusion(%x, %agd), kind=kCustom, calls=%gemm
-  %one = s32[] constant(1)
-  %next = s32[] add(%i, %one)
-  ROOT %r = (s32[], f32[64,128]{1,0}, f32[32,256]{1,0}) tuple(%next, %x, %ws)
-}
-
-%cond (t: (s32[], f32[64,128], f32[32,256])) -> pred[] {
-  %t = (s32[], f32[64,128]{1,0}, f32[32,256]{1,0}) parameter(0)
-  %i = s32[] get-tuple-element(%t), index=0
-  %n = s32[] constant(3)
-  ROOT %lt = pred[] compare(%i, %n), direction=LT
-}
-
-ENTRY %main (x: f32[64,128], w: f32[32,256], y: f32[64,256]) -> f32[64,256] {
-  %x = f32[64,128]{1,0} parameter(0)
-  %w = f32[32,256]{1,0} parameter(1)
-  %y = f32[64,256]{1,0} parameter(2)
-  %zero = s32[] constant(0)
-  %init = (s32[], f32[64,128]{1,0}, f32[32,256]{1,0}) tuple(%zero, %x, %w)
-  %loop = (s32[], f32[64,128]{1,0}, f32[32,256]{1,0}) while(%init), condition=%cond, body=%body,
-    backend_config={"known_trip_count":{"n":"3"}}
-  ROOT %s = f32[64,256]{1,0} fusion(%y), kind=kLoop, calls=%scale
-}
-"""
-
-
 def test_instruction_seconds_prices_kernels_by_a_roofline_collectives_by_the_callback_and_loops_by_trips():
     flop_rate, memory_rate, launch = 1e12, 1e11, 1e-6
     sizes = []
@@ -847,7 +424,7 @@ def test_instruction_seconds_prices_kernels_by_a_roofline_collectives_by_the_cal
         sizes.append((c.kind, c.result_bytes, len(c.replica_groups[0]), c.trip_count))
         return 5e-6
 
-    seconds = instruction_seconds(PRICED, 4, collective, flop_rate, memory_rate, launch)
+    seconds = instruction_seconds(_hlo("priced"), 4, collective, flop_rate, memory_rate, launch)
     # The gemm: 2·64·256·128 FLOPs at 1 TFLOP/s (4.19 µs) against its 224 KiB of operands and result at
     # 100 GB/s (2.29 µs): compute-bound.
     gemm = launch + 2 * 64 * 256 * 128 / flop_rate

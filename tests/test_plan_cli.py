@@ -14,7 +14,7 @@ import yaml
 import amsp_jax as aj
 from amsp_jax import cost
 from amsp_jax.cli import main, probe
-from amsp_jax.cli.profile import PASS_SIZES
+from amsp_jax.cli.rates import PASS_SIZES
 from amsp_jax.compiled import audit
 from amsp_jax.cost import timing
 from amsp_jax.cost.hardware import FLAT, KINDS, LEVELS, MATMUL_DTYPES, ClusterConfigError, from_dict, load

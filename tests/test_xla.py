@@ -37,7 +37,22 @@ def test_one_device_gets_only_the_memory_budget_and_the_cpu_xlas_defaults():
     assert xla.compiler_options("gpu", 1 << 26, None, devices=1) is None
     assert xla.compiler_options("gpu", 1 << 26, 150, devices=1) == {"xla_gpu_memory_limit_slop_factor": 150}
     assert xla.compiler_options("cpu", devices=8) is None
-    assert xla.compiler_options("gpu", devices=16) == xla.gpu_options()
+
+
+def test_a_gpu_cluster_gets_the_overlap_options_with_combine_thresholds_of_a_layer():
+    # A 100 MiB layer: gathers combine up to one layer, all-reduces up to two, reduce-scatters up to
+    # 32 MiB so that each layer's gradient stays a collective of its own.
+    options = xla.compiler_options("cuda", 100 << 20, 150, devices=16)
+    assert options["xla_gpu_all_gather_combine_threshold_bytes"] == 104_857_600
+    assert options["xla_gpu_all_reduce_combine_threshold_bytes"] == 209_715_200
+    assert options["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 33_554_432
+    assert options["xla_gpu_memory_limit_slop_factor"] == 150
+    assert options["xla_gpu_enable_latency_hiding_scheduler"] is True
+    assert options["optimization_level"] == 19  # XLA's EFFORT_O1, JAX's optimization level O1
+    # A 1 MiB layer: gathers still combine up to the 64 MiB floor; no budget given, none set.
+    small = xla.compiler_options("rocm", 1 << 20, None, devices=2)
+    assert small["xla_gpu_all_gather_combine_threshold_bytes"] == 67_108_864
+    assert "xla_gpu_memory_limit_slop_factor" not in small
 
 
 def test_the_analytical_estimator_only_before_jaxlib_0_11_and_one_collective_in_flight(monkeypatch):

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import itertools
 import logging
+import math
 import os
 import sys
 import traceback
@@ -38,6 +39,8 @@ POSITIVE_FLAGS = (
     "num_processes",
     "cpu_devices",
 )
+# Number flags of any command that measure an amount, with what they accept: above 0 and finite.
+POSITIVE_AMOUNT_FLAGS = {"memory_limit": "a number of GiB above 0"}
 
 
 class UsageError(AmspError):
@@ -71,11 +74,16 @@ def simulate_host_devices(argv: list[str]) -> None:
 
 
 def check_counts(args: argparse.Namespace) -> None:
-    """Raise a UsageError when a counting flag (`--nodes`, `--seq-len`, ...) is below 1."""
+    """Raise a UsageError when a counting flag (`--nodes`, `--seq-len`, ...) is below 1, or an amount
+    (`--memory-limit`) is not above 0."""
     for name in POSITIVE_FLAGS:
         value = getattr(args, name, None)
         if isinstance(value, int) and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name, accepted in POSITIVE_AMOUNT_FLAGS.items():
+        value = getattr(args, name, None)
+        if isinstance(value, float) and not (0 < value < math.inf):
+            raise UsageError(f"--{name.replace('_', '-')} must be {accepted}, got {value:g}")
 
 
 def check_devices(nodes: int, devices_per_node: int) -> None:

@@ -13,10 +13,9 @@ apart from the master costs and what a split collective's rounded intermediate r
 is timed flat and split), once collectives are priced with the tables just measured; the fit weighs
 each probe by its relative error. Compute is priced with the matmul rates just measured too, times one
 factor the fit finds (`Passes.compute_scale`): the sweep times bare matmuls minutes before the probes
-run, and on the development VM how long the steps' matmuls took against the sweep's rates moved from
-run to run (0.99x and 1.49x in two profiles of one evening); taken as exact, that error landed in the
-pass bandwidth (1.59 and 2.29 GB/s), and with the factor fitted beside it the bandwidth came out at
-2.22 and 2.26 GB/s. The profile writes the sweep's rates divided by the factor: what the steps ran at.
+run, and on a shared host the steps' matmuls may run well off the sweep's rates; taken as exact, that
+error would land in the pass bandwidth. The profile writes the sweep's rates divided by the factor:
+what the steps ran at.
 
 The update's passes belong to the optimizer as much as to the backend: the probes run the
 examples' AdamW chain (global-norm clipping, then AdamW), fp32 master and moments, bf16 compute.
@@ -71,16 +70,17 @@ def _probe_models() -> list[tuple[Any, int]]:
         (LlamaConfig(vocab_size=512, dim=96, n_layers=3, n_heads=3, n_kv_heads=1, ffn_dim=256,
                      max_seq_len=32, name="probe-c"), 32),
         # One whose stored weights outgrow the host's cache (18M parameters), where a stored P costs
-        # time its bytes do not show (`stored_params`); the three above run zero2 level with zero3.
+        # time its bytes do not show (`stored_params`), which the three smaller ones cannot tell apart.
         (LlamaConfig(vocab_size=6144, dim=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=1376,
                      max_seq_len=16, name="probe-d"), 16),
     ]  # fmt: skip
 
 
-def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Probe]:
-    """Compile and read every probe step on this host's devices, then time them all in `repeats` rounds
-    (each round: every probe, one untimed step and two timed), so a slow spell of the machine falls on
-    all of them alike; a probe's time is its median step."""
+def _compiled_probe(
+    cluster_config: Any, model: Any, config: Any, batch: dict, name: str, split: bool
+) -> dict[str, Any] | None:
+    """One probe step compiled and read on this host's devices: its blocks, traffic and priced time, and
+    what timing it needs; None for a preset this mesh cannot hold (e.g. one device)."""
     import jax
     import optax
 
@@ -88,7 +88,60 @@ def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Prob
     from amsp_jax import cost
     from amsp_jax.compiled import audit, hlo
     from amsp_jax.cost import timing
-    from amsp_jax.models.llama import Llama, make_loss_fn
+    from amsp_jax.models.llama import make_loss_fn
+
+    cluster = cluster_config.cluster()
+    try:
+        strategy = aj.resolve(name, cluster)
+    except ValueError:
+        return None
+    plan = aj.Plan(cluster, strategy, 1, precision="mixed", remat="full", hierarchical=split,
+                   prefetch=False)  # fmt: skip
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=0.1))
+    trainer = aj.Trainer(plan, model, optimizer, make_loss_fn(model))
+    trainer.setup(jax.random.key(0), batch["inputs"])
+    sharded = trainer.shard_batch(batch)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), sharded)
+    step = trainer.compile(trainer.abstract_state(), abstract)
+    workload = audit.workload_of(trainer, batch, cost.llama_dims(config))
+    estimate = timing.estimate(trainer.layout, workload, cluster_config)
+    transfers = [t for group in timing.traffic(trainer.layout, workload).values() for t in group]
+    rounding = sum(timing.rounding_time(t, cluster_config) for t in transfers)
+    rounded = sum(timing.rounded_at_scale(t, cluster_config) for t in transfers)
+    label = f"{config.name} {name}"
+    return {
+        "label": f"{label} split" if split else label,
+        "twin": label if split else "",
+        "blocks": tuple(timing.pass_blocks(estimate.prediction.memory, workload)[b] for b in BLOCKS),
+        # The rounding passes are priced apart (`rounded`): the blocks' counts leave them out.
+        "traffic": hlo.memory_traffic(step.as_text()) - 2 * sum(t.rounded for t in transfers),
+        "other": estimate.time.compute_s + sum(estimate.time.exposed_s.values()) - rounding,
+        "compute": estimate.time.compute_s,
+        "rounded": rounded,
+        "step": step, "sharded": sharded, "state": trainer.init(jax.random.key(0), batch["inputs"]),
+        "times": [],
+    }  # fmt: skip
+
+
+def _time_probes(compiled: list[dict[str, Any]], repeats: int) -> None:
+    """Each probe's step times, in `repeats` rounds (at least two) over all of them: each round runs every
+    probe once untimed and twice timed, so a slow spell of the machine falls on all of them alike."""
+    import jax
+
+    for _ in range(max(2, repeats)):
+        for probe in compiled:
+            for timed in (False, True, True):
+                start = time.perf_counter()
+                probe["state"], metrics = probe["step"](probe["state"], probe["sharded"])
+                jax.block_until_ready((probe["state"], metrics))
+                if timed:
+                    probe["times"].append(time.perf_counter() - start)
+
+
+def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Probe]:
+    """Compile and read every probe step on this host's devices, then time them all in `repeats` rounds
+    (`_time_probes`); a probe's time is its median step."""
+    from amsp_jax.models.llama import Llama
 
     cluster = cluster_config.cluster()
     compiled = []
@@ -99,47 +152,11 @@ def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Prob
         for name, split in PROBE_PLACEMENTS:
             if split and cluster.nodes == 1:
                 continue  # nothing to split
-            try:
-                strategy = aj.resolve(name, cluster)
-            except ValueError:
-                continue  # a preset this mesh cannot hold (e.g. one device)
-            plan = aj.Plan(cluster, strategy, 1, precision="mixed", remat="full", hierarchical=split,
-                           prefetch=False)  # fmt: skip
-            optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=0.1))
-            trainer = aj.Trainer(plan, model, optimizer, make_loss_fn(model))
-            trainer.setup(jax.random.key(0), batch["inputs"])
-            sharded = trainer.shard_batch(batch)
-            abstract = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), sharded
-            )
-            step = trainer.compile(trainer.abstract_state(), abstract)
-            workload = audit.workload_of(trainer, batch, cost.llama_dims(config))
-            estimate = timing.estimate(trainer.layout, workload, cluster_config)
-            transfers = [t for group in timing.traffic(trainer.layout, workload).values() for t in group]
-            rounding = sum(timing.rounding_time(t, cluster_config) for t in transfers)
-            rounded = sum(timing.rounded_at_scale(t, cluster_config) for t in transfers)
-            label = f"{config.name} {name}"
-            compiled.append({
-                "label": f"{label} split" if split else label,
-                "twin": label if split else "",
-                "blocks": tuple(timing.pass_blocks(estimate.prediction.memory, workload)[b] for b in BLOCKS),
-                # The rounding passes are priced apart (`rounded`): the blocks' counts leave them out.
-                "traffic": hlo.memory_traffic(step.as_text()) - 2 * sum(t.rounded for t in transfers),
-                "other": estimate.time.compute_s + sum(estimate.time.exposed_s.values()) - rounding,
-                "compute": estimate.time.compute_s,
-                "rounded": rounded,
-                "step": step, "sharded": sharded, "state": trainer.init(jax.random.key(0), batch["inputs"]),
-                "times": [],
-            })  # fmt: skip
+            found = _compiled_probe(cluster_config, model, config, batch, name, split)
+            if found is not None:
+                compiled.append(found)
     say(f"  compiled {len(compiled)} probe steps; timing them in {max(2, repeats)} rounds")
-    for _ in range(max(2, repeats)):
-        for probe in compiled:
-            for timed in (False, True, True):
-                start = time.perf_counter()
-                probe["state"], metrics = probe["step"](probe["state"], probe["sharded"])
-                jax.block_until_ready((probe["state"], metrics))
-                if timed:
-                    probe["times"].append(time.perf_counter() - start)
+    _time_probes(compiled, repeats)
     probes = []
     for found in compiled:
         probes.append(Probe(found["label"], found["blocks"], found["traffic"], found["other"],

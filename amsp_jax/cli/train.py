@@ -97,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Set up devices and processes, then train; exit code 2 and one line on bad input, 1 on divergence."""
-    # Imported here, not above: Orbax takes most of a second to import, which `amsp-jax plan` need not pay.
+    # Imported here, not above: Orbax is slow to import, which `amsp-jax plan` need not pay.
     from amsp_jax.run.train import ConfigError, DivergedError, load_config, train
 
     keys = {**{name: key for name, (key, _, _) in OVERRIDES.items()}, **SWITCHES}

@@ -126,6 +126,38 @@ class Measured:
             "exposed": sorted(exposed, key=lambda e: -e["bytes"]),
         }
 
+    def collectives_json(self) -> list[dict[str, Any]]:
+        """Each collective as JSON-ready data: kind, bytes, level, phase, and its overlap where read."""
+        return [
+            {
+                "kind": c.kind,
+                "name": c.name,
+                "dtype": c.dtype,
+                "level": level,
+                "group_size": max((len(g) for g in c.replica_groups), default=0),
+                "executions": c.trip_count,
+                "bytes_per_device": hlo.bytes_per_device(c),
+                "scalar": c.scalar,
+                "phase": phase_of(c.op_name),
+                "per_layer": self.is_per_layer(c),
+                "in_layer_loop": self.in_layer_loop(c),
+                **(
+                    {
+                        "asynchronous": o.asynchronous,
+                        "is_sync": o.is_sync,
+                        "compute_between": len(o.compute),
+                        "other_kernels_between": o.other_kernels,
+                        "hidden": o.hidden,
+                    }
+                    if o
+                    else {}
+                ),
+            }
+            for c, level, o in zip(
+                self.collectives, self.levels, self.overlaps or (None,) * len(self.collectives), strict=True
+            )
+        ]
+
 
 def compiled_memory(compiled: jax.stages.Compiled) -> tuple[int, dict[str, int]]:
     """Peak bytes per device of a compiled program: arguments + outputs - donated aliases + temporaries."""
@@ -220,38 +252,7 @@ class Report:
                 "by_kind": self.measured.bytes_by_kind_and_level(),
                 "launches_by_kind": self.measured.launches_by_kind_and_level(),
                 "scalar_reduction_bytes": self.measured.scalar_bytes(),
-                "collectives": [
-                    {
-                        "kind": c.kind,
-                        "name": c.name,
-                        "dtype": c.dtype,
-                        "level": level,
-                        "group_size": max((len(g) for g in c.replica_groups), default=0),
-                        "executions": c.trip_count,
-                        "bytes_per_device": hlo.bytes_per_device(c),
-                        "scalar": c.scalar,
-                        "phase": phase_of(c.op_name),
-                        "per_layer": self.measured.is_per_layer(c),
-                        "in_layer_loop": self.measured.in_layer_loop(c),
-                        **(
-                            {
-                                "asynchronous": o.asynchronous,
-                                "is_sync": o.is_sync,
-                                "compute_between": len(o.compute),
-                                "other_kernels_between": o.other_kernels,
-                                "hidden": o.hidden,
-                            }
-                            if o
-                            else {}
-                        ),
-                    }
-                    for c, level, o in zip(
-                        self.measured.collectives,
-                        self.measured.levels,
-                        self.measured.overlaps or (None,) * len(self.measured.collectives),
-                        strict=True,
-                    )
-                ],
+                "collectives": self.measured.collectives_json(),
             },
             "overlap": self.measured.overlap_summary(),
             "memory": {

@@ -10,10 +10,9 @@ that waits for the last of them and can no longer overlap. The names follow MaxT
 On CPU, simulated devices share one process, and XLA:CPU's runtime meets their collectives in a
 rendezvous keyed by run, devices, kind and op id. JAX gives every shard_map collective the same
 channel id, hence the same op id, so two collectives over one device group that a device has in
-flight at once share a key. Both of XLA:CPU's schedules let that happen for some programs: the
-concurrency-optimised one (the default) hung p=2x1,g=4x1,os=4x2 on 2 x 4 devices after a few hundred
-steps; with it off, zero3 of `amsp-jax profile`'s probe-b model crashed in its first steps (more
-participants than devices in one rendezvous). amsp_jax keeps XLA's default, which the tests compile.
+flight at once share a key. Both of XLA:CPU's schedules let that happen for some programs (a hang, or
+more participants than devices in one rendezvous), so amsp_jax keeps XLA's default, which the tests
+compile.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ from amsp_jax.cost.hardware import ClusterConfig, for_device_kind
 if TYPE_CHECKING:
     from amsp_jax.core.mesh import Layout
 
-_MIB = 1 << 20
 # A file where XLA keeps the GPU kernels it built, so that compiling many plans of one model (the audit
 # tests, benchmarks/gpu_compiled.py) builds each kernel once; kernels do not change the scheduled program.
 KERNEL_CACHE_ENV = "AMSP_JAX_GPU_KERNEL_CACHE"
@@ -45,12 +43,8 @@ KERNEL_CACHE_ENV = "AMSP_JAX_GPU_KERNEL_CACHE"
 # (BASE × device memory − arguments and outputs) × slop factor / 100; the base leaves room for
 # allocations outside XLA's (gpu_hlo_schedule.cc, GetSchedulerMemoryLimit).
 XLA_SCHEDULER_BASE = 0.8
-# XLA's scheduler counts more than buffer assignment later allocates, and stops overlapping collectives
-# once its count reaches its budget; so it gets this much more than the plan's budget. Measured at
-# 1,024 A100s on the planner's choices, both planned at 73.3-73.5 GiB of a 73.6 GiB budget: LLaMA-65B
-# (P over a node) had 0.4 / 0.8 / 24 / 68 / 99 / 99 % of its per-layer collective bytes overlapped
-# with XLA budgets of 1.00 / 1.03 / 1.06 / 1.097 / 1.10 / 1.20 x the plan's (the step is that sharp),
-# compiling to 76.1-76.5 GiB; 30B (P over two devices) 28 % at 1.00, 99 % from 1.10 (75.5 GiB).
+# XLA's scheduler counts more than buffer assignment later allocates and stops overlapping collectives
+# once its count reaches its budget, so it gets this much more than the plan's budget.
 SCHEDULER_HEADROOM = 1.2
 
 
@@ -58,31 +52,18 @@ def scheduler_slop_factor(memory_limit: float, device_memory: int, io_bytes: int
     """XLA's `xla_gpu_memory_limit_slop_factor` (percent) that gives its scheduler `SCHEDULER_HEADROOM`
     times `memory_limit` bytes for a program with `io_bytes` of arguments and outputs per device.
 
-    With XLA's default (95) a plan made for 92 % of an 80 GB A100 is scheduled as if it had 62 GiB:
-    LLaMA-30B with P over two devices at 1,024 A100s then overlapped 1 % of its per-layer collective
-    bytes with compute, 99 % with this factor (65B, P over a node: 0.4 % and 99 %), for 0.4-1 GiB more
-    compiled memory.
+    XLA's default (95) schedules a plan made for most of a device as if it had much less memory, which
+    leaves the layers' collectives with nothing to overlap.
     """
     room = XLA_SCHEDULER_BASE * device_memory - io_bytes
     budget = SCHEDULER_HEADROOM * memory_limit
     return max(1, int(100 * (budget - io_bytes) / room)) if room > 0 else 100
 
 
-# XLA's analytical (GPU performance model) latencies for the scheduler instead of its fixed
-# approximations; where it aborts, a profile of instruction costs (`scheduling_profile`) instead.
-# Measured with jaxlib 0.10.2 on LLaMA-7B at 1,024 A100s before that profile existed
-# (benchmarks/results/gpu_compiled.md): the share of per-layer collective bytes with compute between
-# start and done rose from 66% to 85% for zero3 and from 64% to 92% for mics (zero2: 87% to 79%).
-# jaxlib 0.11.2 aborts the process in that estimator (a CHECK in CalculateLaunchDimensions on one of
-# the step's loop fusions, seen compiling LLaMA-1B on an H200), so it is asked for only before 0.11.
-# There the profile does its work: with it and XLA's one collective in flight, 0.11.2 hides 97.5 / 98.1
-# / 96.9 % of zero3's / MiCS's / zero2's per-layer bytes at 1,024 A100s, where two in flight (what the
-# library asked for before the profile) hid 96.2 / 97.1 / 96.9 % with it and 63.0 / 66.9 / 99.6 %
-# without it, for more memory (`benchmarks/results/xla_overlap.md`).
+# jaxlib < 0.11: XLA's analytical latency estimator prices the scheduler's choices; later jaxlibs abort
+# in it, so the scheduler gets a profile of instruction costs instead (`scheduling_profile`).
 ANALYTICAL_ESTIMATOR_BEFORE = (0, 11)
-
-
-# jaxlib 0.11 removed the collective pipeliner's options (it pipelines under effort level O1, below).
+# jaxlib < 0.11: the collective pipeliner has options of its own; later jaxlibs pipeline under effort O1.
 PIPELINER_OPTIONS_BEFORE = (0, 11)
 
 
@@ -101,12 +82,8 @@ def scheduler_options() -> dict[str, object]:
 
 
 # XLA's effort level O1 (`EFFORT_O1` of its `ExecutionOptions`; JAX's `jax_optimization_level`), passed
-# per compile. jaxlib 0.11 removed the `xla_gpu_enable_pipelined_*` options (they pipeline under O1
-# instead) and aborts in the analytical estimator (`Check failed: buffer != nullptr`, compiling LLaMA-7B
-# for 1,024 A100s on an H100 machine's jaxlib 0.11.2), so there the level is what overlaps the layer
-# loops' collectives: that step's per-layer collective bytes with compute between start and done went
-# from 32.9 % to 58.0 % (zero3) and to 66.9 % (MiCS), the 8-layer test model's split zero3 from 2.2 % to
-# 57.3 %. On jaxlib 0.10.2 it changes none of them (91.6 %, 98.7 %, 80.0 %).
+# per compile: on jaxlib >= 0.11, without the pipeliner's options, it is what overlaps the layer loops'
+# collectives.
 OPTIMIZATION_LEVEL_O1 = 19
 
 
@@ -147,14 +124,13 @@ def _memory_budget(slop_factor: int | None) -> dict[str, object]:
 
 
 # XLA renames and removes its options between releases and rejects a compile that names one it does not
-# know: jaxlib 0.11.2 on an H200 rejected `xla_gpu_enable_pipelined_all_gather`, `..._reduce_scatter` and
-# `..._all_reduce`, which 0.10.2 accepts, so every GPU step failed to compile there.
+# know, so such an option is left out rather than failing every GPU compile.
 _UNKNOWN_OPTION = re.compile(r"No such compile option: '([^']+)'")
 # Compile failures our options cause inside XLA, by a phrase of the error, and the options behind it, left
-# out one at a time in this order while the error stays. jaxlib 0.10.2, H100 target, a LLaMA of width 256
-# under zero2 with two micro-batches: while-loop double buffering clones a Triton gemm fusion after its
-# tiling was chosen, and the clone has none; effort level O1 double-buffers loops by itself.
+# out one at a time in this order while the error stays.
 _FAILS_WITH = {
+    # jaxlib < 0.11: while-loop double buffering clones a Triton gemm fusion after its tiling was chosen,
+    # and the clone has none; effort level O1 double-buffers loops by itself.
     "Block level fusion config is required for Triton fusions": (
         "xla_gpu_enable_while_loop_double_buffering", "optimization_level",
     ),
@@ -215,10 +191,8 @@ def scheduling_profile(hlo_text: str, hardware: ClusterConfig, node_of_device: S
     bandwidth.
 
     Without it, XLA:GPU's scheduler prices every collective alike and every kernel by its kind alone
-    (jaxlib 0.11, whose analytical estimator aborts on this step): a few elementwise kernels look long
-    enough to hide a layer's gather. Compiled with jaxlib 0.11.2 for LLaMA-7B at 1,024 A100s, the share
-    of per-layer collective bytes with compute between start and done went from 63.0 to 97.5 % (zero3)
-    and from 66.9 to 98.1 % (MiCS) with this profile (`benchmarks/results/xla_overlap.md`).
+    (on jaxlib >= 0.11, whose analytical estimator aborts on this step): a few elementwise kernels then
+    look long enough to hide a layer's gather.
     """
 
     def collective_seconds(c: hlo.Collective) -> float:
@@ -246,10 +220,8 @@ def compile_scheduled(lowered: Any, options: dict[str, object] | None, layout: L
     once more with the first program's `scheduling_profile` (the second compile repeats its instruction
     names: the same passes run on the same program up to the scheduler).
 
-    Where the analytical estimator runs (jaxlib 0.10) it stays alone: with the profile as well, 0.10.2
-    hid more of LLaMA-7B zero3's per-layer bytes at 1,024 A100s (98.0 against 91.6 %) but left two
-    looped collectives of the 8-layer test model without compute (a split gather's inter-node stage, and
-    with micro-batches a kept first layer's reduce-scatter), which the estimator alone hides.
+    Where the analytical estimator runs (jaxlib < 0.11) it stays alone: with the profile as well, some
+    looped collectives of the test model lose the compute that the estimator alone puts beside them.
     """
     # The second compile starts from the options the first kept: no failed compile or warning twice.
     compiled, options = _compile(lowered, options)

@@ -268,7 +268,7 @@ class ClusterConfig:
     def busbw(self, kind: str, level: str, size: float, group: int = 0) -> float:
         """Bus bandwidth (bytes/s) of a `kind` collective at `level` where one device sends `size` bytes,
         over `group` devices at that level: from the table measured for groups of that size where there
-        is one (a shorter ring runs faster, `amsp_jax.cli.profile.group_meshes`), else the level's."""
+        is one (a shorter ring runs faster, `amsp_jax.cli.rates.group_meshes`), else the level's."""
         table = self.group_bandwidth.get((kind, level, group)) or self.bandwidth.get((kind, level))
         if table is None:
             why = (
