@@ -11,7 +11,7 @@ import math
 _MIB = 1 << 20
 # XLA compares a reduce-scatter's combine threshold with the scattered block, so a threshold of one
 # gathered layer would merge several layers' gradients into one collective that nothing can hide;
-# 32 MiB keeps them per layer (benchmarks/results/xla_overlap.md).
+# 32 MiB keeps them per layer (benchmarks/results/xla_overlap_a100-sxm-80x1024_20261126-2229.md).
 REDUCE_SCATTER_COMBINE_BYTES = 32 * _MIB
 
 
