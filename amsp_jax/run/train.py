@@ -271,8 +271,7 @@ def auto_plan(
             "auto: no hardware config for this cluster (give --cluster, a cluster YAML or name), so zero3",
         )
     from amsp_jax.cost import llama_dims
-    from amsp_jax.planner import partitioner
-    from amsp_jax.planner.search import choose
+    from amsp_jax.planner import PlanError, choose
 
     # The same entry point as for any model (`amsp_jax.choose`: the traced leaves and blocks), with the
     # config's exact dimensions for the FLOP and activation model.
@@ -282,7 +281,7 @@ def auto_plan(
             Llama(model), (example,), hardware, global_batch=config.global_batch, nodes=cluster.nodes,
             precision=config.precision, dims=llama_dims(model), keep_first_layer=config.keep_first_layer,
         )  # fmt: skip
-    except partitioner.PlanError as error:
+    except PlanError as error:
         raise ConfigError(f"strategy auto: {error}") from None
     collectives = "collectives split at node boundaries" if chosen.hierarchical else "flat collectives"
     note = (
