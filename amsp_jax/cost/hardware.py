@@ -90,14 +90,12 @@ __all__ = [  # the rate tables and units live in `cost.bandwidth`; configs name 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce")
 # The blocks a step's memory-bound kernels pass over (amsp_jax.cost.timing.memory_times).
 PASS_BLOCKS = ("params", "grads", "opt_state", "model", "activations")
-# Bytes per fp32 parameter byte a step passes over where P is stored apart from the master: a cost the
-# probe steps' times show and their compiled bytes do not (XLA:CPU converts a stored 16-bit weight at
-# each use, from memory the just-gathered master's cast finds in cache).
+# Bytes per fp32 parameter byte passed where P is stored apart from the master, since XLA:CPU converts
+# a stored 16-bit weight at each use (the probe steps' times show it, their compiled bytes do not).
 STORED_PARAMS = "stored_params"
-# Bytes' worth of passes per byte of the results a split collective's stages hand on, which a backend
-# running collectives wider than their dtype rounds in kernels of their own (`cost.rounded_bytes`):
-# 2 by the compiled bytes (read and write); the probe steps time what a split costs a running step
-# beyond its collectives' tables, which on XLA:CPU is several times that.
+# Bytes' worth of passes per byte a split collective's stages hand on, since a backend running
+# collectives wider than their dtype rounds them in kernels of their own (`cost.rounded_bytes`); the
+# default 2 is the compiled read and write, the probe steps time what a running step pays.
 SPLIT_RESULTS = "split_results"
 PASS_KEYS = ("bandwidth_gbps", "step_overhead_ms", *PASS_BLOCKS, STORED_PARAMS, SPLIT_RESULTS)
 PASS_DEFAULTS = {SPLIT_RESULTS: 2.0}
@@ -131,15 +129,12 @@ class ClusterConfig:
     memory_passes: Mapping[str, float] | None = None  # bytes touched per byte of each block (timing)
     pass_bandwidth: float = 0.0  # bytes/s of those passes while the step runs
     step_overhead: float = 0.0  # seconds per step that no term of the time model covers
-    # FLOP/s of a layer's matmuls by compute dtype, width and the tokens they run over at once
-    # (interpolated as the bandwidth tables are: a few dozen tokens per device run far below the
-    # large-matmul rate on a CPU, and XLA:CPU runs bf16 matmuls slower than fp32 ones); a dtype
-    # without a table: every matmul at `sustained_flops`.
+    # FLOP/s of a layer's matmuls by compute dtype, width and tokens at once, since a few dozen tokens
+    # run far below the large-matmul rate on a CPU (no table for a dtype: `sustained_flops`).
     matmul_rates: Mapping[str, MatmulRates] | None = None
     flat_ring: tuple[int, int] | None = None  # (devices, nodes) of the ring the `flat` tables measured
-    # Bytes/s of an elementwise op into a fresh buffer by the bytes it writes per device: on a CPU a
-    # small buffer comes from the allocator's reused memory and the cache, a large one from pages the
-    # kernel must map on first touch; none: every size alike.
+    # Bytes/s of an elementwise op into a fresh buffer by its bytes per device, since on a CPU a large
+    # buffer's pages are mapped on first touch where a small one is reused (none: every size alike).
     memory_bandwidths: BandwidthTable | None = None
     # Tables of groups smaller than a level's own (`intra/2`), by (kind, level, devices in the group).
     group_bandwidth: Mapping[tuple[str, str, int], BandwidthTable] = dataclasses.field(default_factory=dict)

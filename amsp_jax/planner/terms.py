@@ -204,10 +204,8 @@ class _Profiles:
 
 def _profiles(qs: list[Placement], leaves: list[tuple[LeafShape, int]]) -> _Profiles:
     def profile_set(q: Placement) -> frozenset[int]:
-        # Degree 1 splits nothing, but a whole leaf is also its own block: count it as splitting every
-        # leaf, which keeps profiles shrinking as groups grow (and the probes of DDP are the same).
-        # Every larger group splits every leaf that has a dimension to split (padding it where none
-        # divides), so profiles differ only for scalars.
+        # Degree 1 counts as splitting every leaf (a whole leaf is its own block), so that profiles
+        # shrink as groups grow; larger groups split (or pad) every leaf with a dimension.
         return frozenset(
             i
             for i, (leaf, _) in enumerate(leaves)
