@@ -13,7 +13,7 @@ class AmspError(ValueError):
 # Looked up in `sys.modules` so that classifying an error never imports a module (Orbax takes a second).
 _INPUT_ERRORS = (
     ("amsp_jax.core.space", "StrategyError"),
-    ("amsp_jax.planner.partitioner", "PlanError"),
+    ("amsp_jax.planner.request", "PlanError"),
     ("amsp_jax.cost.hardware", "ClusterConfigError"),
     ("amsp_jax.run.checkpoint", "CheckpointError"),
     ("yaml", "YAMLError"),

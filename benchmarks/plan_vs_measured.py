@@ -41,8 +41,10 @@ from amsp_jax import cli, cost
 from amsp_jax.compiled import audit
 from amsp_jax.cost import timing
 from amsp_jax.cost.hardware import load
-from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
-from amsp_jax.planner import partitioner
+from amsp_jax.models.llama import Llama, LlamaConfig, llama_spec, make_loss_fn
+from amsp_jax.planner import make_request
+from amsp_jax.planner.search import fastest
+from amsp_jax.planner.terms import build_terms, valid_strategies
 from benchmarks import results_file
 from benchmarks.step_time import make_batch, optimizer
 
@@ -73,20 +75,20 @@ def configurations(config: LlamaConfig, seq_len: int, cluster: aj.Cluster, hardw
     """(name, Plan) pairs: the presets, `count` random valid strategies, the planner's choice (named
     `chosen`, or where it is one of the others' plan, that one renamed `<name> (chosen)`: one program is
     timed once, since two copies of it measured up to 1.05x apart)."""
-    request = partitioner.make_request(
-        config, hardware, cluster.nodes, seq_len=seq_len, global_batch=cluster.num_devices,
+    request = make_request(
+        llama_spec(config), hardware, cluster.nodes, seq_len=seq_len, global_batch=cluster.num_devices,
         micro_batch_size=1, remat="full",
     )  # fmt: skip
-    chosen = partitioner.plan(request)
+    chosen = fastest(request)
     implementation = chosen.implementation
     plans = [
         (name, aj.Plan(cluster, aj.resolve(name, cluster), 1, precision="mixed", remat="full",
                        hierarchical=implementation.hierarchical, prefetch=implementation.prefetch))
         for name in PRESETS
     ]  # fmt: skip
-    terms = partitioner.build_terms(request)
+    terms = build_terms(request)
     seen = {str(p.strategy) for _, p in plans}
-    others = [s for s in partitioner.valid_strategies(terms) if str(s) not in seen]
+    others = [s for s in valid_strategies(terms) if str(s) not in seen]
     for strategy in random.Random(seed).sample(others, min(count, len(others))):
         plans.append((str(strategy), dataclasses.replace(plans[0][1], strategy=strategy)))
     other = dataclasses.replace(plans[3][1], hierarchical=not implementation.hierarchical)

@@ -22,8 +22,11 @@ import matplotlib.pyplot as plt
 from amsp_jax.core.plan import REMAT_POLICIES
 from amsp_jax.core.space import AMSP_PUBLISHED, Strategy
 from amsp_jax.cost.hardware import ClusterConfig, load
-from amsp_jax.models.llama import LlamaConfig
-from amsp_jax.planner import partitioner as pt
+from amsp_jax.models.llama import LlamaConfig, llama_spec
+from amsp_jax.planner.priced import PRESET_ROWS, PricedPlan, best_batching, price, price_presets
+from amsp_jax.planner.request import GIB, PlanError, Request, make_request
+from amsp_jax.planner.search import fastest
+from amsp_jax.planner.terms import build_terms
 from benchmarks import results_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,32 +36,32 @@ NODES = (1, 2, 4, 8, 16, 32, 64, 128, 1024)
 AMSP_NODES = 128  # AMSP's test bed: 128 nodes of 8 A800s
 SEQ_LEN = 4096
 GLOBAL_BATCH_TOKENS = 4 * 2**20
-COLUMNS = ("chosen", "amsp", *pt.PRESET_ROWS)
+COLUMNS = ("chosen", "amsp", *PRESET_ROWS)
 STYLES = {
     "chosen": {"lw": 3, "color": "black"},
     "amsp": {"lw": 2, "ls": "--", "color": "C5"},
-    **{name: {"lw": 1, "color": f"C{i}"} for i, name in enumerate(pt.PRESET_ROWS) if name != "hsdp"},
+    **{name: {"lw": 1, "color": f"C{i}"} for i, name in enumerate(PRESET_ROWS) if name != "hsdp"},
     "hsdp": {"lw": 1, "ls": ":", "color": "C4"},  # the same strategy as mics
 }
 
 
-def amsp_request(model: LlamaConfig, hardware: ClusterConfig, nodes: int) -> pt.Request:
+def amsp_request(model: LlamaConfig, hardware: ClusterConfig, nodes: int) -> Request:
     """The benchmark's request on `nodes` nodes: sequence 4096, micro-batch 1, at least a 4M-token batch."""
     devices = nodes * hardware.devices_per_node
-    return pt.make_request(
-        model, hardware, nodes, seq_len=SEQ_LEN,
+    return make_request(
+        llama_spec(model), hardware, nodes, seq_len=SEQ_LEN,
         global_batch_tokens=max(GLOBAL_BATCH_TOKENS, devices * SEQ_LEN), micro_batch_size=1,
     )  # fmt: skip
 
 
-def evaluate_point(model: LlamaConfig, name: str, nodes: int) -> dict[str, pt.Evaluated | None]:
+def evaluate_point(model: LlamaConfig, name: str, nodes: int) -> dict[str, PricedPlan | None]:
     """The planner's choice, AMSP's published strategy and every preset at one cluster size."""
     request = amsp_request(model, load(CLUSTER), nodes)
-    terms = pt.build_terms(request)
-    row: dict[str, pt.Evaluated | None] = {r.name: r for r in pt.alternatives(terms)}
+    terms = build_terms(request)
+    row: dict[str, PricedPlan | None] = {r.name: r for r in price_presets(terms)}
     try:
-        row["chosen"] = pt.plan(request, terms)
-    except pt.PlanError:
+        row["chosen"] = fastest(request, terms)
+    except PlanError:
         row["chosen"] = None
     if name not in AMSP_PUBLISHED:
         row["amsp"] = None
@@ -69,32 +72,32 @@ def evaluate_point(model: LlamaConfig, name: str, nodes: int) -> dict[str, pt.Ev
     except ValueError:
         row["amsp"] = None  # e.g. OS over 4 nodes on fewer than 4 nodes
     else:
-        c = pt.best_batching(terms, amsp)
-        row["amsp"] = pt.evaluate(request, amsp, c.micro_batch_size, c.remat, name="amsp")
+        c = best_batching(terms, amsp)
+        row["amsp"] = price(request, amsp, c.micro_batch_size, c.remat, name="amsp")
     return row
 
 
-def cell(e: pt.Evaluated | None) -> str:
+def cell(e: PricedPlan | None) -> str:
     """MFU in percent, or why there is none."""
     if e is None:
         return "n/a"
     if not e.feasible:
-        return f"OOM ({e.memory_bytes / pt.GIB:.0f} GiB)"
+        return f"OOM ({e.memory_bytes / GIB:.0f} GiB)"
     return f"{100 * e.estimate.time.mfu:.1f}"
 
 
-def _summary(e: pt.Evaluated | None) -> str:
+def _summary(e: PricedPlan | None) -> str:
     """Strategy, remat, MFU and memory of one plan, as table cells."""
     if e is None:
         return "– | – | – | –"
     fits = "" if e.feasible else " (does not fit)"
     return (
         f"`{e.description}` | {e.remat} | {100 * e.estimate.time.mfu:.1f} | "
-        f"{e.memory_bytes / pt.GIB:.1f}{fits}"
+        f"{e.memory_bytes / GIB:.1f}{fits}"
     )
 
 
-def amsp_setting(table: dict[str, dict[int, dict[str, pt.Evaluated | None]]]) -> list[str]:
+def amsp_setting(table: dict[str, dict[int, dict[str, PricedPlan | None]]]) -> list[str]:
     """AMSP's placement (its best remat that fits, and every remat) beside the planner's, at 1,024 GPUs."""
     hardware = load(CLUSTER)
     lines = [
@@ -102,7 +105,7 @@ def amsp_setting(table: dict[str, dict[int, dict[str, pt.Evaluated | None]]]) ->
         "micro-batch 1",
         "",
         "Predicted (cost and time models). MFU in percent; memory in GiB per GPU "
-        f"({hardware.memory_limit / pt.GIB:.1f} usable).",
+        f"({hardware.memory_limit / GIB:.1f} usable).",
         "",
         "| model | AMSP's placement | remat | MFU | GiB | planner's choice | remat | MFU | GiB |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -122,9 +125,9 @@ def amsp_setting(table: dict[str, dict[int, dict[str, pt.Evaluated | None]]]) ->
         request = amsp_request(model, hardware, AMSP_NODES)
         cells = []
         for remat in REMAT_POLICIES:
-            e = pt.evaluate(request, Strategy.parse(strategy), 1, remat, name="amsp")
+            e = price(request, Strategy.parse(strategy), 1, remat, name="amsp")
             fits = "" if e.feasible else " !"
-            cells.append(f"{100 * e.estimate.time.mfu:.1f} / {e.memory_bytes / pt.GIB:.1f}{fits}")
+            cells.append(f"{100 * e.estimate.time.mfu:.1f} / {e.memory_bytes / GIB:.1f}{fits}")
         lines.append(f"| {name} | `{strategy}` | " + " | ".join(cells) + " |")
     return [*lines, ""]
 
@@ -133,7 +136,7 @@ def main() -> None:
     """Run every point, write the table and the plot."""
     stem = results_file.dated_stem(results_file.RESULTS, "scale", "a800-modelled")
     start = time.perf_counter()
-    table: dict[str, dict[int, dict[str, pt.Evaluated | None]]] = {}
+    table: dict[str, dict[int, dict[str, PricedPlan | None]]] = {}
     for name in MODELS:
         model = LlamaConfig.from_yaml(ROOT / "configs" / "models" / f"{name}.yaml")
         table[name] = {nodes: evaluate_point(model, name, nodes) for nodes in NODES}
@@ -143,7 +146,7 @@ def main() -> None:
         "",
         f"Computed in {time.perf_counter() - start:.0f} s from the cost and time "
         f"models with `{CLUSTER.relative_to(ROOT)}` ({hardware.devices_per_node} A800 80GB per node, 4x HDR, "
-        f"{hardware.memory_limit / pt.GIB:.1f} GiB usable per GPU, compute efficiency "
+        f"{hardware.memory_limit / GIB:.1f} GiB usable per GPU, compute efficiency "
         f"{hardware.compute_efficiency:g}). Sequence {SEQ_LEN}, micro-batch 1, global batch "
         f"{GLOBAL_BATCH_TOKENS:,} tokens (one sequence per GPU at 8192 GPUs). MFU in percent (Megatron "
         "formula); `OOM (x GiB)`: the preset's smallest-memory remat still needs x GiB; `n/a`: the strategy "

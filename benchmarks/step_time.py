@@ -184,21 +184,23 @@ def abstract(tree: Any, shardings: Any = None) -> Any:
 def chosen_plan(
     config: LlamaConfig, cluster: aj.Cluster, seq_len: int, global_batch: int, fallback: str
 ) -> tuple[aj.Plan, str]:
-    """The partitioner's whole choice (strategy and how it issues its collectives; micro-batch size 1,
+    """The planner's whole choice (strategy and how it issues its collectives; micro-batch size 1,
     full remat), else `fallback`; and its source."""
     micro_batches = global_batch // cluster.num_devices
     try:
-        from amsp_jax.planner import partitioner
+        from amsp_jax.models.llama import llama_spec
 
-        chosen = partitioner.choose(
-            config, cluster, seq_len=seq_len, global_batch=global_batch, micro_batch_size=1, remat="full"
-        )
-    except Exception as error:  # the partitioner is young: any failure falls back, and says why
+        tokens = np.zeros((1, seq_len), np.int32)
+        chosen = aj.choose(
+            llama_spec(config), (tokens,), cluster, global_batch=global_batch, micro_batch_size=1,
+            remat="full",
+        )  # fmt: skip
+    except Exception as error:  # the planner is young: any failure falls back, and says why
         reason = f"{type(error).__name__}: {error}"
         plan = aj.Plan(cluster, aj.resolve(fallback, cluster), micro_batches, precision="mixed", remat="full")
-        return plan, f"--chosen {fallback} (the partitioner failed: {reason})"
-    source = "amsp_jax.planner.partitioner.choose at micro-batch size 1 and full remat"
-    return chosen.to_plan(cluster, "mixed"), source
+        return plan, f"--chosen {fallback} (the planner failed: {reason})"
+    source = "amsp_jax.choose at micro-batch size 1 and full remat"
+    return dataclasses.replace(chosen, cluster=cluster), source
 
 
 def build_entries(

@@ -18,8 +18,8 @@ import pytest
 from amsp_jax.compiled import gpu_target
 from amsp_jax.core import config_files
 from amsp_jax.cost import hardware as cluster_config
-from amsp_jax.models.llama import ModelConfigError
-from amsp_jax.planner import partitioner
+from amsp_jax.models.llama import ModelConfigError, llama_spec
+from amsp_jax.planner import make_request
 from amsp_jax.run.train import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,8 +84,8 @@ def test_every_reader_takes_names(tmp_path, monkeypatch):
     assert cluster_config.load("a800-8x-ib800").name == "a800-8x-ib800"
     assert "H100" in gpu_target.target_config("h100-sxm")
     assert load_config("demo").model.name == "small"
-    request = partitioner.make_request("tiny", "cpu-sim", seq_len=32, global_batch=8)
-    assert request.model.dim == 64
+    request = make_request(llama_spec("tiny"), "cpu-sim", seq_len=32, global_batch=8)
+    assert request.model.dims.dim == 64
 
 
 def test_the_wheel_ships_the_configs_and_plan_runs_from_any_directory(tmp_path):

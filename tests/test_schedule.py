@@ -14,8 +14,9 @@ from amsp_jax import cost
 from amsp_jax.compiled import audit
 from amsp_jax.core import schedule
 from amsp_jax.cost.hardware import load
-from amsp_jax.models.llama import Llama, make_loss_fn
-from amsp_jax.planner import partitioner
+from amsp_jax.models.llama import Llama, llama_spec, make_loss_fn
+from amsp_jax.planner import request as planner_request
+from amsp_jax.planner.search import fastest
 from tests.helpers import CLUSTER, STEPS, TINY, max_relative_error, optimizer, reference, train_data
 
 DIMS = cost.llama_dims(TINY)
@@ -154,13 +155,13 @@ def test_flat_ring_across_nodes_is_paced_by_the_slower_of_nics_and_node_links():
 
 
 def test_planner_compares_flat_and_split_collectives_and_hands_back_a_plan():
-    request = partitioner.make_request("configs/models/tiny.yaml", "cpu-sim", seq_len=32, global_batch=8)
-    choices = {i.hierarchical for i in partitioner.implementations(request)}
+    request = planner_request.make_request(llama_spec("tiny"), "cpu-sim", seq_len=32, global_batch=8)
+    choices = {i.hierarchical for i in planner_request.implementations(request)}
     assert choices == {True, False}
-    chosen = partitioner.plan(request)
+    chosen = fastest(request)
     plan = chosen.to_plan(CLUSTER, "fp32")
     assert plan.hierarchical == chosen.implementation.hierarchical and plan.strategy == chosen.strategy
     # The CPU backend cannot overlap collectives with compute: no prefetch loop there.
     assert plan.prefetch is False
     one_node = dataclasses.replace(request, cluster=request.cluster.with_shape(1, 8))
-    assert {i.hierarchical for i in partitioner.implementations(one_node)} == {True}
+    assert {i.hierarchical for i in planner_request.implementations(one_node)} == {True}

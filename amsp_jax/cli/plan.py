@@ -4,24 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 from amsp_jax.core.config_files import shipped
 from amsp_jax.core.plan import REMAT_POLICIES
-from amsp_jax.core.space import resolve
 from amsp_jax.cost.optimizer import KINDS
 from amsp_jax.cost.trace import from_entry_point
-from amsp_jax.planner.partitioner import (
-    GIB,
-    Evaluated,
-    alternatives,
-    best_batching,
-    build_terms,
-    evaluate,
-    make_request,
-    plan,
-)
+from amsp_jax.models.llama import llama_spec
+from amsp_jax.planner import PricedPlan, make_request, price_alternatives
+from amsp_jax.planner.request import GIB
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _row(e: Evaluated) -> list[str]:
+def _row(e: PricedPlan) -> list[str]:
     t, levels = e.estimate.time, e.estimate.prediction.bytes_by_level()
     return [
         e.name,
@@ -111,10 +102,9 @@ def run(args: argparse.Namespace) -> int:
     as one line and exits with code 2.
     """
     model = args.model
-    if ":" in model and not Path(model).exists():
-        model = from_entry_point(model)
+    spec = from_entry_point(model) if ":" in model and not Path(model).exists() else llama_spec(model)
     request = make_request(
-        model,
+        spec,
         args.cluster,
         args.nodes,
         seq_len=args.seq_len,
@@ -125,16 +115,8 @@ def run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         keep_first_layer=args.keep_first_layer,
     )
-    start = time.perf_counter()
-    terms = build_terms(request)
-    if args.strategy:
-        strategy = resolve(args.strategy, request.cluster.cluster())
-        c = best_batching(terms, strategy)
-        chosen = evaluate(request, strategy, c.micro_batch_size, c.remat)
-    else:
-        chosen = plan(request, terms)
-    solve_time = time.perf_counter() - start
-    rows = alternatives(terms)
+    priced = price_alternatives(request, args.strategy)
+    chosen, rows, solve_time = priced.chosen, list(priced.presets), priced.solve_time_s
 
     hardware = request.cluster
     if args.json:

@@ -1,13 +1,12 @@
-"""Cluster hardware from a cluster YAML: memory, compute and collective bandwidth tables.
+"""Cluster hardware from a cluster YAML: its schema, loading, and the collective times it prices.
 
 A cluster config says what one device can hold and compute, and how fast each collective kind runs
 inside a node and across nodes. Bandwidths are nccl-tests *bus* bandwidths, indexed by the bytes one
 device sends in one collective — exactly what `amsp_jax.cost` counts per execution — so the time of
 a collective is simply `bytes_per_device / busbw(bytes_per_device)` (nccl-tests PERFORMANCE.md: for a
 ring all-gather or reduce-scatter busbw = algbw·(n−1)/n, and the per-device ring bytes are
-S·(n−1)/n, so S/algbw = bytes/busbw; for all-reduce both carry 2(n−1)/n). Between table sizes the
-bandwidth is interpolated linearly in log-size; below the smallest size a collective costs what the
-smallest one costs (latency-bound), above the largest the bandwidth stays flat.
+S·(n−1)/n, so S/algbw = bytes/busbw; for all-reduce both carry 2(n−1)/n). The tables and how they
+are read between and beyond their sizes are `amsp_jax.cost.bandwidth`'s.
 
 `load` takes a path or the name of a shipped config (`a800-8x-ib800`, `h100-dgx`, `cpu-sim`; see
 `amsp_jax.core.config_files`). Schema (every number carries its source in a comment in the YAML file):
@@ -44,11 +43,10 @@ smallest one costs (latency-bound), above the largest the bandwidth stays flat.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,19 +54,48 @@ import yaml
 
 from amsp_jax.core import config_files
 from amsp_jax.core.space import Cluster
+from amsp_jax.cost.bandwidth import (
+    GB,
+    BandwidthTable,
+    ClusterConfigError,
+    MatmulRates,
+    format_size,
+    parse_size,
+)
 from amsp_jax.errors import one_line
+
+__all__ = [  # the rate tables and units live in `cost.bandwidth`; configs name them from here too
+    "FLAT",
+    "GB",
+    "KINDS",
+    "LEVELS",
+    "MATMUL_DTYPES",
+    "PASS_BLOCKS",
+    "PASS_DEFAULTS",
+    "PASS_KEYS",
+    "SPLIT_RESULTS",
+    "STORED_PARAMS",
+    "BandwidthTable",
+    "ClusterConfig",
+    "ClusterConfigError",
+    "MatmulRates",
+    "for_cluster",
+    "for_device_kind",
+    "format_size",
+    "from_dict",
+    "load",
+    "parse_size",
+]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce")
 # The blocks a step's memory-bound kernels pass over (amsp_jax.cost.timing.memory_times).
 PASS_BLOCKS = ("params", "grads", "opt_state", "model", "activations")
-# Bytes per fp32 parameter byte a step passes over where P is stored apart from the master: a cost the
-# probe steps' times show and their compiled bytes do not (XLA:CPU converts a stored 16-bit weight at
-# each use, from memory the just-gathered master's cast finds in cache).
+# Bytes per fp32 parameter byte passed where P is stored apart from the master, since XLA:CPU converts
+# a stored 16-bit weight at each use (the probe steps' times show it, their compiled bytes do not).
 STORED_PARAMS = "stored_params"
-# Bytes' worth of passes per byte of the results a split collective's stages hand on, which a backend
-# running collectives wider than their dtype rounds in kernels of their own (`cost.rounded_bytes`):
-# 2 by the compiled bytes (read and write); the probe steps time what a split costs a running step
-# beyond its collectives' tables, which on XLA:CPU is several times that.
+# Bytes' worth of passes per byte a split collective's stages hand on, since a backend running
+# collectives wider than their dtype rounds them in kernels of their own (`cost.rounded_bytes`); the
+# default 2 is the compiled read and write, the probe steps time what a running step pays.
 SPLIT_RESULTS = "split_results"
 PASS_KEYS = ("bandwidth_gbps", "step_overhead_ms", *PASS_BLOCKS, STORED_PARAMS, SPLIT_RESULTS)
 PASS_DEFAULTS = {SPLIT_RESULTS: 2.0}
@@ -78,114 +105,6 @@ LEVELS = ("intra", "inter")
 # `ClusterConfig.collective_time` assumes the NICs and the node's links work side by side.
 FLAT = "flat"
 MATMUL_DTYPES = ("bfloat16", "float32")  # the compute dtypes of the `mixed` and `fp32` precisions
-GB = 1e9
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-    "KB": 1e3,
-    "MB": 1e6,
-    "GB": 1e9,
-}
-
-
-class ClusterConfigError(ValueError):
-    """A cluster YAML that is missing something or holds a value that cannot be right."""
-
-
-def parse_size(value: int | float | str) -> float:
-    """Bytes from `4096`, `"64KiB"`, `"1 MiB"`, `"1.5GiB"` or `"1e6"`."""
-    if isinstance(value, int | float):
-        return float(value)
-    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([KMGT]i?B|B)?\s*", str(value), flags=re.IGNORECASE)
-    if not match:
-        raise ClusterConfigError(f"size {value!r} is not a number of bytes such as 65536 or '64KiB'")
-    return float(match.group(1)) * _UNITS[(match.group(2) or "").upper()]
-
-
-def format_size(size: float) -> str:
-    """`1048576` → `"1MiB"`; sizes that are no power-of-1024 multiple stay plain numbers."""
-    for unit in ("GiB", "MiB", "KiB"):
-        scale = _UNITS[unit.upper()]
-        if size >= scale and size % scale == 0:
-            return f"{int(size // scale)}{unit}"
-    return str(int(size))
-
-
-@dataclasses.dataclass(frozen=True)
-class BandwidthTable:
-    """Bus bandwidth (bytes/s) at increasing message sizes (bytes one device sends in one collective)."""
-
-    sizes: tuple[float, ...]
-    busbw: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        if not self.sizes or len(self.sizes) != len(self.busbw):
-            raise ClusterConfigError("a bandwidth table needs one or more [size, GB/s] rows")
-        if any(b <= a for a, b in zip(self.sizes, self.sizes[1:], strict=False)):
-            raise ClusterConfigError(f"bandwidth table sizes must increase, got {self.sizes}")
-        if min(self.sizes) <= 0 or min(self.busbw) <= 0:
-            raise ClusterConfigError("bandwidth table sizes and bandwidths must be positive")
-
-    def at(self, size: float) -> float:
-        """Bus bandwidth for a collective in which one device sends `size` bytes.
-
-        Between two measured sizes the time (size over bandwidth) is affine in the size: a fixed cost
-        and a rate, the two-point latency-bandwidth line. Interpolating the bandwidth itself in log-size
-        priced a 230 KB reduce-scatter over 8 CPU devices at 0.12 ms from a table measured at 64 KiB and
-        1 MiB, where chained ones took 0.20 ms and the line gives 0.19.
-        """
-        if size <= self.sizes[0]:
-            # Latency-bound below the smallest measured size: the collective costs what that one costs.
-            return self.busbw[0] * size / self.sizes[0]
-        if size >= self.sizes[-1]:
-            return self.busbw[-1]
-        i = bisect.bisect_right(self.sizes, size)
-        lo, hi = self.sizes[i - 1], self.sizes[i]
-        t_lo, t_hi = lo / self.busbw[i - 1], hi / self.busbw[i]
-        return size / (t_lo + (size - lo) / (hi - lo) * (t_hi - t_lo))
-
-    @classmethod
-    def from_rows(cls, rows: Sequence[Sequence[Any]], where: str) -> BandwidthTable:
-        """From YAML rows `[size, GB/s]`."""
-        try:
-            pairs = sorted((parse_size(size), float(gbps) * GB) for size, gbps in rows)
-        except (TypeError, ValueError) as error:
-            raise ClusterConfigError(f"{where}: rows must be [size, GB/s] pairs ({error})") from error
-        try:
-            return cls(tuple(s for s, _ in pairs), tuple(b for _, b in pairs))
-        except ClusterConfigError as error:
-            raise ClusterConfigError(f"{where}: {error}") from None
-
-
-@dataclasses.dataclass(frozen=True)
-class MatmulRates:
-    """FLOP/s of one compute dtype's matmuls by the tokens they run over, per square width measured.
-
-    A (tokens × W)·(W × W) product and its backward run slower per FLOP the narrower W is where a
-    fixed cost per op weighs (on 8 simulated CPU devices a 128-wide product over 64 tokens ran at
-    0.75-0.8x the rate of a 512-wide one). Between measured widths the rate is interpolated linearly
-    in log-width; outside them it is the nearest width's. Width 0: one table for every width.
-    """
-
-    tables: Mapping[int, BandwidthTable]
-
-    def at(self, tokens: float, width: float) -> float:
-        """FLOP/s of a matmul of `width` (the side of the square of its size) over `tokens` rows."""
-        widths = sorted(self.tables)
-        if width <= widths[0] or len(widths) == 1:
-            return self.tables[widths[0]].at(tokens)
-        if width >= widths[-1]:
-            return self.tables[widths[-1]].at(tokens)
-        i = bisect.bisect_right(widths, width)
-        lo, hi = widths[i - 1], widths[i]
-        share = math.log(width / lo) / math.log(hi / lo)
-        return (1 - share) * self.tables[lo].at(tokens) + share * self.tables[hi].at(tokens)
-
-
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
     """The hardware of a cluster: per-device memory and compute, and collective bandwidth tables."""
@@ -210,15 +129,12 @@ class ClusterConfig:
     memory_passes: Mapping[str, float] | None = None  # bytes touched per byte of each block (timing)
     pass_bandwidth: float = 0.0  # bytes/s of those passes while the step runs
     step_overhead: float = 0.0  # seconds per step that no term of the time model covers
-    # FLOP/s of a layer's matmuls by compute dtype, width and the tokens they run over at once
-    # (interpolated as the bandwidth tables are: a few dozen tokens per device run far below the
-    # large-matmul rate on a CPU, and XLA:CPU runs bf16 matmuls slower than fp32 ones); a dtype
-    # without a table: every matmul at `sustained_flops`.
+    # FLOP/s of a layer's matmuls by compute dtype, width and tokens at once, since a few dozen tokens
+    # run far below the large-matmul rate on a CPU (no table for a dtype: `sustained_flops`).
     matmul_rates: Mapping[str, MatmulRates] | None = None
     flat_ring: tuple[int, int] | None = None  # (devices, nodes) of the ring the `flat` tables measured
-    # Bytes/s of an elementwise op into a fresh buffer by the bytes it writes per device: on a CPU a
-    # small buffer comes from the allocator's reused memory and the cache, a large one from pages the
-    # kernel must map on first touch; none: every size alike.
+    # Bytes/s of an elementwise op into a fresh buffer by its bytes per device, since on a CPU a large
+    # buffer's pages are mapped on first touch where a small one is reused (none: every size alike).
     memory_bandwidths: BandwidthTable | None = None
     # Tables of groups smaller than a level's own (`intra/2`), by (kind, level, devices in the group).
     group_bandwidth: Mapping[tuple[str, str, int], BandwidthTable] = dataclasses.field(default_factory=dict)
@@ -345,50 +261,16 @@ def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> Clust
         if not isinstance(levels or {}, Mapping):
             raise ClusterConfigError(f"{where}: bandwidth.{kind} must map intra/inter to [size, GB/s] rows")
     device = values.get("device") or {}
-    overlap = values.get("overlap") or {}
-    latency = values.get("latency") or {}
-    if not isinstance(latency, Mapping):
-        raise ClusterConfigError(f"{where}: latency must be a mapping of base_us, intra_hop_us, inter_hop_us")
-    latency_s = {}
-    for key in ("base_us", "intra_hop_us", "inter_hop_us"):
-        try:
-            latency_s[key] = float(latency.get(key, 0.0)) * 1e-6
-        except (TypeError, ValueError) as error:
-            value = latency.get(key)
-            raise ClusterConfigError(f"{where}: latency.{key} = {value!r} is not a number") from error
-        if latency_s[key] < 0:
-            raise ClusterConfigError(f"{where}: latency.{key} must not be negative")
+    latency_s = _latency(values.get("latency") or {}, where)
     passes = _memory_passes(values.get("memory_passes"), where)
-    tables: dict[tuple[str, str], BandwidthTable] = {}
-    group_tables: dict[tuple[str, str, int], BandwidthTable] = {}
-    for kind, levels in (values.get("bandwidth") or {}).items():
-        if kind not in KINDS:
-            raise ClusterConfigError(f"{where}: unknown collective kind {kind!r}; use {KINDS}")
-        for level, rows in (levels or {}).items():
-            table = BandwidthTable.from_rows(rows, f"{where}: bandwidth.{kind}.{level}")
-            if level in (*LEVELS, FLAT):
-                tables[(kind, level)] = table
-            elif match := re.fullmatch(rf"({'|'.join(LEVELS)})/([0-9]+)", str(level)):
-                if int(match[2]) < 2:
-                    raise ClusterConfigError(f"{where}: bandwidth.{kind}.{level}: a group needs 2 devices")
-                group_tables[(kind, match[1], int(match[2]))] = table
-            else:
-                raise ClusterConfigError(
-                    f"{where}: unknown level {level!r} under {kind}; use {', '.join((*LEVELS, FLAT))}, "
-                    "or intra/N, inter/N for groups of N"
-                )
+    tables, group_tables = _bandwidth_tables(values.get("bandwidth") or {}, where)
     missing = [f"{k}.{lv}" for k in KINDS for lv in LEVELS if (k, lv) not in tables]
     # A config of one device (a profile of one GPU) runs no collective and may measure none.
     if missing and _number(values, "nodes", where) * _number(values, "devices_per_node", where) > 1:
         raise ClusterConfigError(f"{where}: no bandwidth table for {', '.join(missing)}")
     flat_ring = _flat_ring(values.get("flat_ring"), any(level == FLAT for _, level in tables), where)
-    try:
-        fraction = float(overlap.get("reduction_fraction", 0.5))
-        interference = float(overlap.get("interference", 0.0))
-    except (TypeError, ValueError):
-        raise ClusterConfigError(f"{where}: overlap fractions must be numbers, got {dict(overlap)}") from None
-    if not (0 <= fraction <= 1 and 0 <= interference <= 1):
-        raise ClusterConfigError(f"{where}: overlap fractions must lie in [0, 1], got {dict(overlap)}")
+    overlap = values.get("overlap") or {}
+    fraction, interference = _overlap_fractions(overlap, where)
     return ClusterConfig(
         name=str(values.get("name", "cluster")),
         nodes=int(_number(values, "nodes", where)),
@@ -417,6 +299,59 @@ def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> Clust
         flat_ring=flat_ring,
         group_bandwidth=group_tables,
     )
+
+
+def _latency(latency: Any, where: str) -> dict[str, float]:
+    """Seconds of the `latency` section's base and per-hop terms (0 where absent)."""
+    if not isinstance(latency, Mapping):
+        raise ClusterConfigError(f"{where}: latency must be a mapping of base_us, intra_hop_us, inter_hop_us")
+    latency_s = {}
+    for key in ("base_us", "intra_hop_us", "inter_hop_us"):
+        try:
+            latency_s[key] = float(latency.get(key, 0.0)) * 1e-6
+        except (TypeError, ValueError) as error:
+            value = latency.get(key)
+            raise ClusterConfigError(f"{where}: latency.{key} = {value!r} is not a number") from error
+        if latency_s[key] < 0:
+            raise ClusterConfigError(f"{where}: latency.{key} must not be negative")
+    return latency_s
+
+
+def _bandwidth_tables(
+    section: Mapping[str, Any], where: str
+) -> tuple[dict[tuple[str, str], BandwidthTable], dict[tuple[str, str, int], BandwidthTable]]:
+    """The `bandwidth` section's tables: by (kind, level), and by (kind, level, group) for `intra/N`."""
+    tables: dict[tuple[str, str], BandwidthTable] = {}
+    group_tables: dict[tuple[str, str, int], BandwidthTable] = {}
+    for kind, levels in section.items():
+        if kind not in KINDS:
+            raise ClusterConfigError(f"{where}: unknown collective kind {kind!r}; use {KINDS}")
+        for level, rows in (levels or {}).items():
+            table = BandwidthTable.from_rows(rows, f"{where}: bandwidth.{kind}.{level}")
+            if level in (*LEVELS, FLAT):
+                tables[(kind, level)] = table
+            elif match := re.fullmatch(rf"({'|'.join(LEVELS)})/([0-9]+)", str(level)):
+                if int(match[2]) < 2:
+                    raise ClusterConfigError(f"{where}: bandwidth.{kind}.{level}: a group needs 2 devices")
+                group_tables[(kind, match[1], int(match[2]))] = table
+            else:
+                raise ClusterConfigError(
+                    f"{where}: unknown level {level!r} under {kind}; use {', '.join((*LEVELS, FLAT))}, "
+                    "or intra/N, inter/N for groups of N"
+                )
+    return tables, group_tables
+
+
+def _overlap_fractions(overlap: Mapping[str, Any], where: str) -> tuple[float, float]:
+    """The `overlap` section's reduction fraction and interference, each in [0, 1]."""
+    try:
+        fraction = float(overlap.get("reduction_fraction", 0.5))
+        interference = float(overlap.get("interference", 0.0))
+    except (TypeError, ValueError):
+        raise ClusterConfigError(f"{where}: overlap fractions must be numbers, got {dict(overlap)}") from None
+    if not (0 <= fraction <= 1 and 0 <= interference <= 1):
+        raise ClusterConfigError(f"{where}: overlap fractions must lie in [0, 1], got {dict(overlap)}")
+    return fraction, interference
 
 
 def _flat_ring(section: Any, has_tables: bool, where: str) -> tuple[int, int] | None:

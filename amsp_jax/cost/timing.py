@@ -46,16 +46,14 @@ touch per byte of it — the stored P block (casts, the refresh), the G block (s
 around the reduce-scatter), the fp32 master (the optimizer update), every parameter (the gathered
 weights and full-size gradients all plans handle) and the activations — at the bandwidth those
 kernels reach in a running step, plus a fixed cost per step. On the CPU mesh these passes are most
-of a step: zero1's replicated fp32 gradient is what makes it slower than zero2 at equal bytes on
-the wire. Their speed depends on the block's size there: an elementwise op into a fresh 4 MiB
-buffer per device ran at 3.2 GB/s and one into 64 MiB at 0.85 (pages the kernel maps on first
-touch), the same op repeated in place over 4 MiB at 31 GB/s; the profile measures that curve
-(`memory_bandwidths`) and each block runs at its size's speed relative to the largest. A P stored
-apart from the master costs more than its block's bytes say: XLA:CPU computes a bf16 matmul in
-fp32, so a stored 16-bit weight is converted from memory at each of its uses, where the master
-gathered for zero3 is cast in cache (a 16M LLaMA: zero2 113 ms a step behind zero3 with every
-collective cut to one element, over 129 MB more compiled traffic); the probe steps' times give it
-as `stored_params` bytes per fp32 parameter byte (`stored_params_time`). A collective split into
+of a step (zero1's replicated fp32 gradient is what makes it slower than zero2 at equal bytes on
+the wire), and their speed depends on the block's size: a fresh buffer comes from pages the kernel
+maps on first touch, a small one from the allocator's reused memory and the cache. The profile
+measures that curve (`memory_bandwidths`) and each block runs at its size's speed relative to the
+largest. A P stored apart from the master costs more than its block's bytes say: XLA:CPU computes a
+bf16 matmul in fp32, so a stored 16-bit weight is converted from memory at each of its uses, where
+the master gathered for zero3 is cast in cache; the probe steps' times give it as `stored_params`
+bytes per fp32 parameter byte (`stored_params_time`). A collective split into
 stages on a backend that runs it wider than its dtype (XLA:CPU, bf16) rounds each stage's result in
 a kernel of its own before the next stage reads it (`cost.rounded_bytes`: exactly the compiled bytes a
 split step adds over its flat form); those passes belong to the collective (`rounding_time`), priced
@@ -290,9 +288,8 @@ def stored_params_time(param_block: float, num_params: int, cluster: ClusterConf
 def fixed_pass_time(num_params: int, activations: float, micro_batches: int, cluster: ClusterConfig) -> float:
     """Seconds of the passes every plan runs and the fixed cost of a step; 0 where the cluster measured no
     passes. The passes over all parameters (gathered weights, full-size gradients) and over one
-    micro-batch's activations run once per micro-batch: at the same tokens per step, the compiled step
-    of the `make demo` model touched 96, 165 and 299 MB with 1, 2 and 4 micro-batches (XLA:CPU), and on
-    one H100 a 1.1B LLaMA's memory-bound kernels took 109, 153 and 191 ms (benchmarks/gpu_step.py)."""
+    micro-batch's activations run once per micro-batch, since at the same tokens per step both the
+    compiled traffic (XLA:CPU) and a GPU's memory-bound kernel time grow with the micro-batches."""
     if cluster.memory_passes is None:
         return 0.0
     weights = pass_time("model", FP32 * num_params, cluster)

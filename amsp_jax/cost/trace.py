@@ -3,8 +3,8 @@
 `trace(model, example_inputs)` reads the parameter leaves and the layers (the same `find_layers` the
 step uses, so the plan gathers what the step gathers) from one abstract `init`, and infers the few
 dimensions the FLOP and activation model needs: layers, width, heads, MLP width, vocabulary. Each can
-be given instead (`dims=`). A `LlamaConfig` is the other source (`amsp_jax.cost.workload.llama_workload`): its
-dimensions are known exactly.
+be given instead (`dims=`). The LLaMA model writes its own `ModelSpec` (`amsp_jax.models.llama.llama_spec`):
+its dimensions are known exactly.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +32,15 @@ LeafPath = tuple[Any, ...]
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """A traced model as the planner sees it: its leaves (with how each is gathered) and dimensions."""
+    """A model as the planner sees it: its leaves (with how each is gathered), dimensions, and how Muon
+    reads its matrices; traced from a Flax model (`trace`) or written out (`models.llama.llama_spec`)."""
 
     name: str
     leaves: tuple[LeafShape, ...]
     dims: ModelDims
     prefetchable: bool  # its layers can prefetch (a LayerStack, or a loop of blocks)
+    # Muon's `muon_weight_dimension_numbers` for these parameters; None: optax's rule (every 2-D leaf).
+    muon_dimensions: Callable[[Any], Any] | None = None
 
     def num_params(self) -> int:
         """Parameters of the traced model."""
@@ -120,7 +124,6 @@ def trace(
         dims = infer_dims(found, leaves, vocab)
     prefetchable = bool(found.stacks) or any(not b.stacked for b in found.blocks.values())
     return ModelSpec(name or type(model).__name__, leaves, dims, prefetchable)
-
 
 
 def from_entry_point(text: str) -> ModelSpec:

@@ -18,6 +18,9 @@ import jax
 import jax.numpy as jnp
 import yaml
 
+from amsp_jax.core import config_files
+from amsp_jax.cost.trace import ModelSpec
+from amsp_jax.cost.workload import llama_workload
 from amsp_jax.errors import AmspError, check_field_types, one_line
 from amsp_jax.layers.stack import LayerStack
 from amsp_jax.models import attention as attention_lib
@@ -269,3 +272,12 @@ def muon_dimension_numbers(params: Any) -> Any:
         numbers["lm_head"] = matrix
     numbers["layers"] = {"layer": {name: per_layer.get(name) for name in params["layers"]["layer"]}}
     return numbers
+
+
+def llama_spec(model: LlamaConfig | str | Path) -> ModelSpec:
+    """What the planner needs of this model (`amsp_jax.cost.trace.ModelSpec`), from its config, a model
+    YAML or a shipped model's name: its leaves, exact dimensions and Muon's dimension numbers."""
+    if not isinstance(model, LlamaConfig):
+        model = LlamaConfig.from_yaml(config_files.find("models", model, ModelConfigError))
+    workload = llama_workload(model, seq_len=1)
+    return ModelSpec(model.name, workload.leaves, workload.dims, True, muon_dimension_numbers)

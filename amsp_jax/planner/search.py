@@ -1,18 +1,52 @@
-"""Plan any Flax model: trace it (`amsp_jax.cost.trace`), then ask the partitioner for the fastest fit."""
+"""The planner's entry points: `choose` (the fastest `Plan` that fits) and `price_alternatives` (that
+plan beside the presets, each priced: the table `amsp-jax plan` prints)."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from amsp_jax.core.plan import Plan, Precision
-from amsp_jax.core.space import Cluster
+from amsp_jax.core.space import Cluster, Strategy, resolve
 from amsp_jax.cost import ModelDims
 from amsp_jax.cost.hardware import ClusterConfig
-from amsp_jax.cost.trace import trace
-from amsp_jax.planner import partitioner
+from amsp_jax.cost.trace import ModelSpec, trace
+from amsp_jax.planner.ilp import solve
+from amsp_jax.planner.priced import PricedPlan, best_batching, nothing_fits, price, price_presets
+from amsp_jax.planner.request import PlanError, Request, implementations, make_request
+from amsp_jax.planner.terms import Terms, build_terms
+
+
+def fastest(request: Request, terms: Terms | None = None) -> PricedPlan:
+    """The ILP's choice for `request`, priced by the full models; PlanError when nothing fits.
+
+    The implementation choices (`implementations`) are an outer enumeration: one ILP per choice, the
+    fastest wins. `terms` (built for `request` as given) skips that enumeration.
+    """
+    start = time.perf_counter()
+    options = [(request, terms)] if terms is not None else [
+        (dataclasses.replace(request, implementation=i), None) for i in implementations(request)
+    ]  # fmt: skip
+    best: PricedPlan | None = None
+    tried: list[Terms] = []
+    for option, given in options:
+        built = given or build_terms(option)
+        tried.append(built)
+        solution = solve(built)
+        if solution is None:
+            continue
+        c = solution.candidate
+        elapsed = time.perf_counter() - start
+        priced = price(option, c.strategy, c.micro_batch_size, c.remat, solve_time_s=elapsed)
+        if best is None or priced.estimate.time.step_s < best.estimate.time.step_s:
+            best = priced
+    if best is None:
+        raise nothing_fits(tried[0])
+    return dataclasses.replace(best, solve_time_s=time.perf_counter() - start)
 
 
 def choose(
@@ -28,25 +62,58 @@ def choose(
     micro_batch_size: int | None = None,
     remat: str | None = None,
     keep_first_layer: bool = False,
+    optimizer: str = "adam",
 ) -> Plan:
     """The fastest `Plan` that fits, for a Flax model (linen, or nnx behind `NnxModel`) as written.
 
-    `example_inputs` are what the model's `init` takes; the first array's second dimension is the
-    sequence length. `global_batch` counts sequences per optimizer step. `cluster` is a
-    `ClusterConfig`, a cluster YAML or shipped name, or a `Cluster` (hardware from its name's config,
-    else `cpu-sim`). `layers` and `dims` as in `workload.trace`. Raises `partitioner.PlanError` when
-    nothing fits, saying what the smallest plan needs. `keep_first_layer`: plans with micro-batches
+    `model` is traced (`amsp_jax.cost.trace.trace`, with `layers` and `dims`) unless it already is a
+    `ModelSpec` (e.g. `amsp_jax.models.llama.llama_spec`). `example_inputs` are what the model's
+    `init` takes; the first array's second dimension is the sequence length. `global_batch` counts
+    sequences per optimizer step. `cluster` is a `ClusterConfig`, a cluster YAML or shipped name, or a
+    `Cluster` (hardware from its name's config, else `cpu-sim`); `nodes` overrides its node count.
+    `micro_batch_size` and `remat` fix those knobs instead of searching them; `optimizer` (adam,
+    adafactor or muon) prices its update's collectives. `keep_first_layer`: plans with micro-batches
     keep each `LayerStack`'s first layer gathered (`Plan.keep_first_layer`), its memory counted.
+    Raises `PlanError` when nothing fits, saying what the smallest plan needs and what would fit.
     """
-    spec = trace(model, example_inputs, layers, dims)
     shapes = [np.shape(x) for x in example_inputs if len(np.shape(x)) >= 2]
     if not shapes:
-        raise partitioner.PlanError(
-            "example_inputs need a (batch, sequence, ...) array to read the sequence length from"
-        )
-    request = partitioner.make_request(
+        raise PlanError("example_inputs need a (batch, sequence, ...) array to read the sequence length from")
+    spec = model if isinstance(model, ModelSpec) else trace(model, example_inputs, layers, dims)
+    request = make_request(
         spec, cluster, nodes, seq_len=shapes[0][1], global_batch=global_batch, precision=precision,
-        micro_batch_size=micro_batch_size, remat=remat, keep_first_layer=keep_first_layer,
+        micro_batch_size=micro_batch_size, remat=remat, optimizer=optimizer,
+        keep_first_layer=keep_first_layer,
     )  # fmt: skip
-    chosen = partitioner.plan(request)
-    return chosen.to_plan(request.cluster.cluster(), request.precision)
+    return fastest(request).to_plan(request.cluster.cluster(), request.precision)
+
+
+@dataclasses.dataclass(frozen=True)
+class Alternatives:
+    """The chosen (or given) plan beside every preset, each priced by the full models."""
+
+    request: Request
+    chosen: PricedPlan
+    presets: tuple[PricedPlan, ...]
+    solve_time_s: float  # building the terms and solving (or pricing the given strategy)
+
+    @property
+    def rows(self) -> tuple[PricedPlan, ...]:
+        """The chosen plan first, then the presets."""
+        return (self.chosen, *self.presets)
+
+
+def price_alternatives(request: Request, strategy: Strategy | str | None = None) -> Alternatives:
+    """The fastest plan for `request` (or `strategy`, a `Strategy` or preset name or string, at its best
+    batching and remat) beside the presets at theirs; PlanError when nothing fits."""
+    start = time.perf_counter()
+    terms = build_terms(request)
+    if strategy is None:
+        chosen = fastest(request, terms)
+    else:
+        if not isinstance(strategy, Strategy):
+            strategy = resolve(strategy, request.cluster.cluster())
+        best = best_batching(terms, strategy)
+        chosen = price(request, strategy, best.micro_batch_size, best.remat)
+    solve_time = time.perf_counter() - start
+    return Alternatives(request, chosen, tuple(price_presets(terms)), solve_time)

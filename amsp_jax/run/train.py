@@ -96,8 +96,7 @@ def choose_cluster(spec: str | None, devices: Sequence[jax.Device]) -> tuple[Clu
 def auto_plan(model: LlamaConfig, cluster: Cluster, hardware: ClusterConfig, config: TrainConfig) -> Plan:
     """The partitioner's plan (strategy, micro-batches, remat, collectives) for the model on `hardware`."""
     from amsp_jax.cost import llama_dims
-    from amsp_jax.planner import partitioner
-    from amsp_jax.planner.search import choose
+    from amsp_jax.planner import PlanError, choose
 
     # The same entry point as for any model, with the config's exact dimensions for the FLOP and
     # activation model.
@@ -108,7 +107,7 @@ def auto_plan(model: LlamaConfig, cluster: Cluster, hardware: ClusterConfig, con
             precision=config.plan.precision, dims=llama_dims(model),
             keep_first_layer=config.plan.keep_first_layer,
         )  # fmt: skip
-    except partitioner.PlanError as error:
+    except PlanError as error:
         raise ConfigError(f"strategy auto: {error}") from None
 
 

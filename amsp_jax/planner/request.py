@@ -1,0 +1,182 @@
+"""What is asked of the planner: a model's description on a cluster, the step's batch, the memory limit
+(the cluster's), and which knobs to search."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from amsp_jax.core.backend import selects_in_place
+from amsp_jax.core.plan import REMAT_POLICIES, Precision
+from amsp_jax.core.schedule import Implementation, uses_prefetch
+from amsp_jax.core.space import Cluster
+from amsp_jax.cost import Workload, looped_blocks
+from amsp_jax.cost import optimizer as optimizer_cost
+from amsp_jax.cost.hardware import ClusterConfig, for_cluster
+from amsp_jax.cost.hardware import load as load_cluster
+from amsp_jax.cost.trace import ModelSpec
+from amsp_jax.errors import AmspError
+
+GIB = 2**30
+
+
+class PlanError(AmspError):
+    """A request no plan can serve: nothing fits, or the batch does not divide over the devices."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What to plan: a model on a cluster, with the step's sequence length, batch and the knobs to search."""
+
+    model: ModelSpec
+    cluster: ClusterConfig
+    seq_len: int
+    global_batch_tokens: int
+    precision: Precision = dataclasses.field(default_factory=Precision)
+    micro_batch_sizes: tuple[int, ...] | None = None
+    remats: tuple[str, ...] = REMAT_POLICIES
+    implementation: Implementation = dataclasses.field(default_factory=Implementation)
+    optimizer: str = "adam"  # adam (any element-wise optimizer), adafactor or muon
+
+    @property
+    def devices(self) -> int:
+        """Devices of the cluster."""
+        return self.cluster.nodes * self.cluster.devices_per_node
+
+    def sequences_per_device(self) -> int:
+        """Sequences each device processes per step; raises PlanError when the batch does not divide."""
+        if self.global_batch_tokens % self.seq_len:
+            raise PlanError(
+                f"the global batch of {self.global_batch_tokens} tokens is not a whole number of "
+                f"{self.seq_len}-token sequences"
+            )
+        sequences = self.global_batch_tokens // self.seq_len
+        if sequences % self.devices:
+            smallest = self.devices * self.seq_len
+            raise PlanError(
+                f"{sequences} sequences per step do not divide over {self.devices} devices (data "
+                f"parallelism gives each device whole sequences); use a global batch that is a multiple "
+                f"of {smallest} tokens, e.g. {max(1, -(-self.global_batch_tokens // smallest)) * smallest}"
+            )
+        return sequences // self.devices
+
+    def batchings(self) -> list[tuple[int, int]]:
+        """(micro-batch size, micro-batches) pairs with b × M = sequences per device."""
+        per_device = self.sequences_per_device()
+        sizes = [b for b in range(1, per_device + 1) if per_device % b == 0]
+        if self.micro_batch_sizes is not None:
+            wrong = [b for b in self.micro_batch_sizes if b not in sizes]
+            if wrong:
+                raise PlanError(
+                    f"micro-batch size(s) {wrong} do not divide the {per_device} sequences per device"
+                )
+            sizes = [b for b in sizes if b in self.micro_batch_sizes]
+        return [(b, per_device // b) for b in sizes]
+
+    def workload(self, micro_batch_size: int = 1, micro_batches: int = 1, remat: str = "full") -> Workload:
+        """The cost model's workload for one choice of batching and remat on this cluster's hardware."""
+        w = self.model.workload(self.seq_len, micro_batch_size, micro_batches, self.precision, remat)
+        return w.with_(
+            min_collective_itemsize=self.cluster.collective_min_itemsize,
+            update_in_place=selects_in_place(self.cluster.platform),
+            platform=self.cluster.platform,
+            implementation=self.implementation,
+            optimizer=_update_rules(
+                tuple((leaf.path, leaf.shape) for leaf in w.leaves),
+                self.optimizer,
+                self.model.muon_dimensions,
+            ),
+        )
+
+    def prefetches(self, micro_batches: int, remat: str) -> bool:
+        """Whether the step runs the explicit-prefetch loop for this batching and remat."""
+        if not self.model.prefetchable:
+            return False  # blocks run by a scan (nn.scan, nnx.scan) gather in the loop, no prefetch
+        stack = not looped_blocks(self.model.leaves)
+        return uses_prefetch(micro_batches, remat, self.model.n_layers, self.implementation.prefetch, stack)
+
+
+@functools.cache
+def _update_rules(
+    leaves: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...],
+    kind: str,
+    muon_dimensions: Callable[[Any], Any] | None,
+) -> optimizer_cost.OptimizerUpdate:
+    """What `kind`'s update communicates on these leaves (cached: reading optax's state takes a trace)."""
+    return optimizer_cost.for_kind(kind, dict(leaves), muon_dimensions)
+
+
+def hardware_of(cluster: ClusterConfig | Cluster | str | Path, nodes: int | None = None) -> ClusterConfig:
+    """A cluster's hardware: a config as is, a YAML or shipped name loaded, a bare `Cluster` by its
+    name (`cost.hardware.for_cluster`); `nodes` overrides the node count."""
+    if isinstance(cluster, Cluster):
+        hardware = for_cluster(cluster)
+    elif isinstance(cluster, ClusterConfig):
+        hardware = cluster
+    else:
+        hardware = load_cluster(cluster)
+    return hardware if nodes is None else hardware.with_shape(nodes)
+
+
+def make_request(
+    model: ModelSpec,
+    cluster: ClusterConfig | Cluster | str | Path,
+    nodes: int | None = None,
+    *,
+    seq_len: int,
+    global_batch_tokens: int | None = None,
+    global_batch: int | None = None,
+    precision: str | Precision = "mixed",
+    micro_batch_size: int | None = None,
+    remat: str | None = None,
+    optimizer: str = "adam",
+    keep_first_layer: bool = False,
+) -> Request:
+    """A `Request` for a model's description on a cluster; the batch in tokens or sequences.
+
+    `model` is a `ModelSpec`: traced from a Flax model (`amsp_jax.cost.trace.trace`) or written by the
+    model (`amsp_jax.models.llama.llama_spec`). `cluster` is a `ClusterConfig`, a cluster YAML or
+    shipped name, or a bare `Cluster` (`hardware_of`); `nodes` overrides its node count.
+    `micro_batch_size` and `remat` fix those knobs instead of searching them; `optimizer` (adam,
+    adafactor or muon) adds the collectives its update needs on sharded leaves. `keep_first_layer`:
+    plans with micro-batches keep it (`amsp_jax.core.schedule.keeps_first_layer`).
+    """
+    if not isinstance(model, ModelSpec):
+        raise PlanError(
+            f"the planner takes a ModelSpec, got {type(model).__name__}; trace a Flax model with "
+            "amsp_jax.cost.trace.trace, or describe a LLaMA with amsp_jax.models.llama.llama_spec"
+        )
+    if (global_batch_tokens is None) == (global_batch is None):
+        raise PlanError("give the global batch either in tokens (global_batch_tokens) or in sequences")
+    tokens = global_batch_tokens if global_batch_tokens is not None else global_batch * seq_len
+    if remat is not None and remat not in REMAT_POLICIES:
+        raise PlanError(f"unknown remat policy {remat!r}; use one of {REMAT_POLICIES}")
+    if optimizer not in optimizer_cost.KINDS:
+        raise PlanError(f"unknown optimizer {optimizer!r}; use one of {optimizer_cost.KINDS}")
+    return Request(
+        model=model,
+        cluster=hardware_of(cluster, nodes),
+        seq_len=seq_len,
+        global_batch_tokens=tokens,
+        precision=Precision.named(precision) if isinstance(precision, str) else precision,
+        micro_batch_sizes=None if micro_batch_size is None else (micro_batch_size,),
+        remats=REMAT_POLICIES if remat is None else (remat,),
+        optimizer=optimizer,
+        implementation=Implementation(keep_first_layer=keep_first_layer),
+    )
+
+
+def implementations(request: Request) -> list[Implementation]:
+    """The ways of issuing the step's collectives worth comparing on this cluster.
+
+    Split (hierarchical) and flat collectives differ only where a group spans nodes. The explicit
+    prefetch loop exists to overlap the next layer's gather with compute; where the cluster cannot
+    overlap collectives with compute it only adds work, so it is left off there. Keeping the first
+    layer across micro-batches is the request's (its memory buys overlap the time model does not price).
+    """
+    prefetch = None if request.cluster.overlap_enabled else False
+    splits = (True, False) if request.cluster.nodes > 1 else (True,)
+    return [dataclasses.replace(request.implementation, hierarchical=h, prefetch=prefetch) for h in splits]
