@@ -2,17 +2,18 @@
 
 Each markdown file is one test: its ```bash / ```sh / ```console commands and its ```python blocks run
 in document order in a scratch directory that links the repository's `configs/` and `examples/`, so a
-block may read what an earlier block of the same file wrote (a run directory, a checkpoint). Shell
-blocks run in bash with `amsp-jax` as `sys.executable -m amsp_jax.cli` and `python` as this
-interpreter; the CLI sizes the simulated CPU platform itself, as it does for a user. Consecutive
-python blocks run in one subprocess (one JAX start), each in a fresh namespace, with 8 simulated CPU
-devices (tests/conftest.py's setting, inherited through the environment). Every block must exit 0 and
-print neither `MISMATCH` nor a traceback.
+block may read what an earlier one of the same file wrote (a run directory, a checkpoint). Each shell
+command runs in bash of its own, with `amsp-jax` as `sys.executable -m amsp_jax.cli` and `python` as
+this interpreter; the CLI sizes the simulated CPU platform from its flags, as it does for a user.
+Consecutive python blocks run in one subprocess (one JAX start), each in a fresh namespace, with 8
+simulated CPU devices (tests/conftest.py's setting, inherited through the environment). Every command
+and block must exit 0 and print neither `MISMATCH` nor a traceback; a file's failures are reported
+together.
 
 Three commands are recognised and not run: `make demo` and `make test` (`make test` is what runs this
-test, and `make demo` trains 300 steps of the demo config that the training guide runs for 2), and
+test, and `make demo` trains 300 steps of the `demo` config, which the training guide runs for 2), and
 `pip install ...` (it would change the environment under test). Every other command runs; long ones are
-shortened with flags in the docs themselves.
+shortened with flags in the docs themselves. Fences in ```text, ```yaml or ```json are shown, not run.
 """
 
 from __future__ import annotations
