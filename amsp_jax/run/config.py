@@ -125,7 +125,7 @@ class PlanSection(Section):
     section: ClassVar[str] = "plan"
 
     strategy: str = "auto"
-    """`auto` (the partitioner, which also sets micro_batches and remat), a preset (`zero3`, `mics`,
+    """`auto` (the planner, which also sets micro_batches and remat), a preset (`zero3`, `mics`,
     ...) or `p=AxB,g=CxD,os=ExF`."""
     cluster: str | None = None
     """A cluster YAML or a shipped config's name (`a800-8x-ib800`), or `NODESxDEVICES`; default: one node

@@ -94,7 +94,7 @@ def choose_cluster(spec: str | None, devices: Sequence[jax.Device]) -> tuple[Clu
 
 
 def auto_plan(model: LlamaConfig, cluster: Cluster, hardware: ClusterConfig, config: TrainConfig) -> Plan:
-    """The partitioner's plan (strategy, micro-batches, remat, collectives) for the model on `hardware`."""
+    """The planner's plan (strategy, micro-batches, remat, collectives) for the model on `hardware`."""
     from amsp_jax.cost import llama_dims
     from amsp_jax.planner import PlanError, choose
 
@@ -116,7 +116,7 @@ def choose_plan(
 ) -> tuple[Plan, str]:
     """The plan of `config.plan` on `cluster`, and a note saying where its strategy came from.
 
-    `auto` asks the partitioner (ZeRO-3 where no hardware config is known); anything else is resolved
+    `auto` asks the planner (ZeRO-3 where no hardware config is known); anything else is resolved
     as given.
     """
     settings = config.plan
@@ -137,7 +137,7 @@ def choose_plan(
     chosen = auto_plan(model, cluster, hardware, config)
     collectives = "collectives split at node boundaries" if chosen.hierarchical else "flat collectives"
     note = (
-        f"auto: the partitioner's choice for {hardware.name}, M={chosen.micro_batches}, remat "
+        f"auto: the planner's choice for {hardware.name}, M={chosen.micro_batches}, remat "
         f"{chosen.remat}, {collectives}"
     )
     return plan(
@@ -195,7 +195,7 @@ class RunSetup:
     checkpoints: Checkpointer
     hardware: ClusterConfig | None
     plan_note: str
-    """Where the strategy came from (a preset, given, the partitioner)."""
+    """Where the strategy came from (a preset, given, the planner)."""
     origin: str
     """A fresh start, or the checkpoint resumed from."""
 
