@@ -186,7 +186,7 @@ def _layer_activations(workload: Workload, act: int, attention: str) -> tuple[in
     else:
         # Flash-style: fp32 softmax statistics per row and head (kept for the backward) and the
         # backward's fp32 dQ accumulator (the forward's fp32 output accumulator is no larger); the
-        # scores stay in on-chip memory (cuDNN) or one tile at a time (blockwise, `_attention_peak`).
+        # scores stay in on-chip memory (cuDNN) or one tile at a time (blockwise, `layer_backward`).
         attention_bytes = b * d.n_heads * t * FP32 + tokens * d.n_heads * d.head_dim * FP32
     # What the backward reads of one layer (JAX's saved residuals; the same buffers in the GPU-compiled
     # scan): per RMSNorm its fp32 input and normalised output and the activation-dtype result, the
@@ -224,7 +224,7 @@ def layer_backward(workload: Workload) -> tuple[int, int]:
         return kept, layer
     scores = _score_block(workload)
     kv = 2 * d.n_kv_heads * d.head_dim
-    # The layer input and its fp32 normalisation, q, k, v, the output and its gradient, and the fp32
+    # The layer input, q, k, v and the attention's output, with the fp32 normalised input and the fp32
     # dQ, dK and dV accumulators.
     around = tokens * (act * (3 * d.dim + kv) + FP32 * (2 * d.dim + kv))
     cast = compute if compute < FP32 else 0  # an fp32 step casts nothing
