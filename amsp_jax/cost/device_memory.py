@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 
 import jax.numpy as jnp
 
@@ -51,10 +52,11 @@ class Memory:
     1024 and 2048 on 16 H100s):
       - `loss`: the saved layer inputs, the gathered leaves outside the layers (the head), the logits
         and their gradient;
-      - `backward`, inside the layer loop: the saved inputs, the logits' gradient (kept for the head's
-        weight gradient, which XLA computes after the layers), one layer's activations, its full-size
-        weight gradient and its gathered weights (three layers in the explicit-prefetch loop); the
-        gradients of the leaves outside the layers are not computed yet;
+      - `backward`, inside the layer loop: the saved inputs, the logits' gradient where the backend
+        keeps it (`keeps_logits_gradient`), one layer's backward (`layer_backward`: a blockwise
+        attention's tile of scores peaks apart from the rest of the layer), its full-size weight
+        gradient and its gathered weights (three layers in the explicit-prefetch loop); the gradients
+        of the leaves outside the layers are not computed yet;
       - `update`: the new master and moments, where XLA does not write them over the old
         (`Workload.update_in_place`);
       - `refresh`: a P that is stored and less sharded than OS is gathered leaf by leaf into a new
@@ -64,7 +66,10 @@ class Memory:
     throughout, and a kept first layer (`schedule.keeps_first_layer`) and its fp32 gradient sums stay
     beside both peaks of the micro-batches. Where P is cast from the master and gathered along a
     dimension other than a layer's major one, XLA keeps a transposed copy of the master block through
-    the forward and backward passes. Not counted: how XLA packs buffers into its one temporary
+    the forward and backward passes. The same peaks hold for steps compiled for the CPU (the shipped
+    `tiny` and `small` models at 128-1,024 tokens) with the backend's own buffers: fp32 activations
+    (`activation_itemsize`), the blockwise attention (`attention_kind`) and no logits' gradient in the
+    layers' backward. Not counted: how XLA packs buffers into its one temporary
     allocation (the compiled temporaries of the programs above are 1.0-1.3x the largest set of
     buffers live at once).
     """
@@ -113,33 +118,81 @@ class Memory:
         }
 
 
-def activation_bytes(workload: Workload) -> tuple[int, int]:
-    """(bytes kept per layer for the backward pass, bytes of one layer's full forward) per micro-batch."""
-    d, b, t = workload.dims, workload.micro_batch_size, workload.seq_len
+def activation_itemsize(workload: Workload) -> int:
+    """Bytes per element of the activations the step holds on its backend.
+
+    XLA:CPU runs 16-bit dots in fp32: its float normalisation converts their operands, the saved
+    residual stacks included, to fp32 copies, so a CPU step holds its activations in fp32; a GPU holds
+    them in the compute dtype.
+    """
     act = workload.precision.param_bytes
+    return max(act, FP32) if workload.platform == "cpu" else act
+
+
+def attention_kind(workload: Workload) -> str:
+    """The attention the step runs: `auto` resolved as `amsp_jax.models.attention` resolves it.
+
+    `auto` is cuDNN's flash attention where the step is lowered for a GPU in 16-bit with a head_dim
+    cuDNN takes (a multiple of 8 up to 128), and the blockwise attention everywhere else (the CPU, fp32).
+    """
+    d = workload.dims
+    if d.attention != "auto":
+        return d.attention
+    cudnn = workload.platform != "cpu" and workload.precision.param_bytes < FP32
+    return "cudnn" if cudnn and d.head_dim % 8 == 0 and d.head_dim <= 128 else "blockwise"
+
+
+def keeps_logits_gradient(workload: Workload) -> bool:
+    """Whether the logits' gradient stays live through the layers' backward.
+
+    XLA:GPU computes the head's weight gradient after the layers and keeps the logits' gradient for
+    it; XLA:CPU's schedule frees it before the layer loop (no logits-sized buffer is live there).
+    """
+    return workload.platform != "cpu"
+
+
+def activation_bytes(workload: Workload) -> tuple[int, int]:
+    """(bytes kept per layer for the backward pass, bytes of one layer's full forward) per micro-batch,
+    in the compute dtype, with `auto` counted as cuDNN's attention and a blockwise attention's block of
+    scores in the layer (the block the time model's memory passes were fitted with)."""
+    d = workload.dims
+    kept, full_layer = _layer_activations(workload, workload.precision.param_bytes, d.attention)
+    if d.attention == "blockwise":
+        full_layer += _score_block(workload) * 2 * (FP32 + workload.precision.param_bytes)
+    return (full_layer if workload.remat == "none" else kept), full_layer
+
+
+def _score_block(workload: Workload) -> int:
+    """Scores in one (query block, key block) tile of the blockwise attention, every head."""
+    block = min(workload.dims.attention_block, workload.seq_len)
+    blocks = -(-workload.seq_len // block)
+    block = -(-workload.seq_len // blocks)  # the attention's tiling: equal blocks covering the sequence
+    return workload.micro_batch_size * workload.dims.n_heads * block * block
+
+
+def _layer_activations(workload: Workload, act: int, attention: str) -> tuple[int, int]:
+    """(bytes kept per layer for the backward pass, bytes of one layer's activations) per micro-batch,
+    activations `act` bytes per element, a blockwise attention's tile of scores left out."""
+    d, b, t = workload.dims, workload.micro_batch_size, workload.seq_len
     tokens = b * t
     kv = 2 * d.n_kv_heads * d.head_dim
-    if d.materialises_scores:
+    if attention == "xla":
         # The scores of every (query, key) pair: at the backward's peak the fp32 scores, the
         # probabilities and their gradients. Measured (compiled step with this attention minus the
         # flash one, per score): 9.1-9.5 bytes for LLaMA-7B and 13B on A100s in mixed precision at seq
         # 2048-4096; 13-18 bytes on 4-head test models (XLA keeps transposed copies there), so this
         # is a lower bound for small models.
-        attention = b * d.n_heads * t * t * (2 * FP32 + act)
+        attention_bytes = b * d.n_heads * t * t * (2 * FP32 + act)
     else:
         # Flash-style: fp32 softmax statistics per row and head (kept for the backward) and the
         # backward's fp32 dQ accumulator (the forward's fp32 output accumulator is no larger); the
-        # scores stay in on-chip memory (cuDNN) or one block at a time (blockwise: a block's scores,
-        # probabilities and their gradients).
-        attention = b * d.n_heads * t * FP32 + tokens * d.n_heads * d.head_dim * FP32
-        if d.attention == "blockwise":
-            block = min(d.attention_block, t)
-            attention += b * d.n_heads * block * block * 2 * (FP32 + act)
+        # scores stay in on-chip memory (cuDNN) or one tile at a time (blockwise, `layer_backward`).
+        attention_bytes = b * d.n_heads * t * FP32 + tokens * d.n_heads * d.head_dim * FP32
     # What the backward reads of one layer (JAX's saved residuals; the same buffers in the GPU-compiled
     # scan): per RMSNorm its fp32 input and normalised output and the activation-dtype result, the
     # attention's q, k, v and output, and six ffn-sized tensors (both projections, sigmoid, silu and
     # their product).
-    full_layer = tokens * (4 * FP32 * d.dim + act * (4 * d.dim + kv + 6 * d.ffn_dim)) + attention
+    full_layer = tokens * (4 * FP32 * d.dim + act * (4 * d.dim + kv + 6 * d.ffn_dim)) + attention_bytes
     kept = {
         "full": act * tokens * d.dim,
         # Dot outputs the backward needs (q, k, v, the output projection, both ffn up-projections)
@@ -150,15 +203,48 @@ def activation_bytes(workload: Workload) -> tuple[int, int]:
     return kept, full_layer
 
 
-def memory(axes: AxisPlan, workload: Workload) -> Memory:
-    """Per-device memory of one step: the model states, and what each peak holds beside them (`Memory`)."""
+def layer_backward(workload: Workload) -> tuple[int, int]:
+    """(bytes kept per layer for the backward pass, bytes one layer's backward holds at its peak) per
+    micro-batch, on the step's backend (`activation_itemsize`, `attention_kind`).
+
+    A blockwise attention's backward peaks apart from the rest of the layer, at one tile's fp32 score
+    buffers beside the attention's inputs, output and fp32 gradient accumulators. Where the sequence is
+    one tile, XLA computes the tile's probabilities (and their 16-bit cast for dV's matmul) ahead of
+    the rest of the layer's backward, which runs beside them; the attention's peak then holds the fp32
+    probabilities and score gradients and the gradient in the compute dtype (16 bytes per score in
+    fp32, where XLA also transposes it for dK's matmul; 10 in 16-bit). In a loop over tiles nothing
+    is computed ahead, and in 16-bit the tile's fp32 scores are live beside the probabilities and
+    their gradients (12 bytes per score; 16 in fp32 as above).
+    """
+    d, tokens = workload.dims, workload.micro_batch_size * workload.seq_len
+    act, compute = activation_itemsize(workload), workload.precision.param_bytes
+    kind = attention_kind(workload)
+    kept, layer = _layer_activations(workload, act, kind)
+    if kind != "blockwise":
+        return kept, layer
+    scores = _score_block(workload)
+    kv = 2 * d.n_kv_heads * d.head_dim
+    # The layer input, q, k, v and the attention's output, with the fp32 normalised input and the fp32
+    # dQ, dK and dV accumulators.
+    around = tokens * (act * (3 * d.dim + kv) + FP32 * (2 * d.dim + kv))
+    cast = compute if compute < FP32 else 0  # an fp32 step casts nothing
+    one_tile = workload.seq_len <= d.attention_block
+    per_score = 2 * FP32 + 2 * compute - cast  # probabilities, score gradients and their cast
+    per_score = per_score if one_tile else max(per_score, 3 * FP32)  # the scores too
+    ahead = scores * (FP32 + cast) if one_tile else 0
+    return kept, max(layer + ahead, scores * per_score + around)
+
+
+def _leaf_sums(axes: AxisPlan, workload: Workload) -> Counter[str]:
+    """Bytes per device summed over the leaves, by what `memory` prices them as."""
     p_bytes = workload.precision.param_bytes
     gathered_bytes = workload.wire_bytes(p_bytes)
     reduce_bytes = workload.wire_bytes(workload.precision.reduce_bytes)
     g_bytes = jnp.dtype(schedule.grad_dtype(workload.micro_batches, workload.precision.reduce_dtype)).itemsize
-    params = grads = master = trained_master = 0
-    other_extra = other_grads = layer_full = layer_extra = layer_grad = refresh = transposed = 0
-    first_layer = 0  # a kept first layer (`schedule.keeps_first_layer`): gathered, and its fp32 sums
+    # XLA:CPU converts a stored 16-bit P block to fp32 once and holds the copy all step: its dots run
+    # in fp32 and its collectives move fp32 (`Workload.min_collective_itemsize`).
+    copy_bytes = FP32 if activation_itemsize(workload) > p_bytes else 0
+    sums: Counter[str] = Counter()
     stored = not schedule.params_from_master(axes.strategy)
     p_axes = set(axes.axes("params"))
     for leaf in workload.leaves:
@@ -166,40 +252,49 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
         split = scheduled.split
         p_block = _block_elements(axes, split, "params")
         g_block = 0 if leaf.frozen else _block_elements(axes, split, "grads") * g_bytes
-        params += p_block * p_bytes
-        grads += g_block
-        master += _block_elements(axes, split, "opt_state") * FP32
-        if not leaf.frozen:
-            trained_master += _block_elements(axes, split, "opt_state") * FP32
+        os_block = _block_elements(axes, split, "opt_state") * FP32
+        sums["params"] += p_block * p_bytes
+        sums["grads"] += g_block
+        sums["master"] += os_block
+        sums["trained_master"] += 0 if leaf.frozen else os_block
         if scheduled.refresh and stored and not leaf.frozen:
-            refresh = max(refresh, p_block * p_bytes)
+            sums["refresh"] = max(sums["refresh"], p_block * p_bytes)
         whole = math.prod(split.padded)
+        sums["fp32_copies"] += p_block * copy_bytes if stored else 0
         if leaf.per_layer if leaf.per_layer is not None else leaf.stacked:
             # One layer's share: a stacked leaf holds every layer; blocks gathered call by call (a
             # loop of equal blocks) are counted as the same share of all of them.
             layers = leaf.shape[0] if leaf.stacked else workload.dims.n_layers
-            layer_full += whole // layers * gathered_bytes
-            layer_extra += (whole - p_block) // layers * gathered_bytes
-            layer_grad += 0 if leaf.frozen else whole // layers * reduce_bytes
-            if scheduled.keeps_first_layer:
-                first_layer += whole // layers * (gathered_bytes + (0 if leaf.frozen else FP32))
+            sums["layer_full"] += whole // layers * gathered_bytes
+            sums["layer_extra"] += (whole - p_block) // layers * gathered_bytes
+            sums["layer_grad"] += 0 if leaf.frozen else whole // layers * reduce_bytes
+            if scheduled.keeps_first_layer:  # gathered, and its fp32 gradient sums
+                sums["first_layer"] += whole // layers * (gathered_bytes + (0 if leaf.frozen else FP32))
             if not stored and leaf.stacked and any(d != 1 for a, d in split.axis_dims if a in p_axes):
                 # Cast from the master and gathered along a dimension other than a layer's major one:
                 # XLA transposes the whole fp32 master block once, before the layer loops, and keeps it
                 # (LLaMA-7B mics at 1,024 A100s: the two ffn up-projections, 688 MiB each).
-                transposed += _block_elements(axes, split, "opt_state") * FP32
+                sums["transposed"] += os_block
         else:
-            other_extra += (whole - p_block) * gathered_bytes
-            other_grads += g_block
+            sums["other_extra"] += (whole - p_block) * gathered_bytes
+            sums["other_grads"] += g_block
+    return sums
+
+
+def memory(axes: AxisPlan, workload: Workload) -> Memory:
+    """Per-device memory of one step: the model states, and what each peak holds beside them (`Memory`)."""
+    s = _leaf_sums(axes, workload)
+    params, grads, trained_master = s["params"], s["grads"], s["trained_master"]
     opt_state = trained_master // FP32 * workload.opt_state_bytes_per_param
-    kept, full_layer = activation_bytes(workload)
+    kept, layer_peak = layer_backward(workload)
     d, layers = workload.dims, workload.dims.n_layers
-    logits = workload.micro_batch_size * workload.seq_len * d.vocab_size * p_bytes
+    logits = workload.micro_batch_size * workload.seq_len * d.vocab_size * activation_itemsize(workload)
+    kept_logits = logits if keeps_logits_gradient(workload) else 0
     saved = layers * kept
     if workload.remat == "none":
         # The forward's scan keeps every layer's gathered weights as residuals, a copy even where P
         # is replicated.
-        saved += layers * layer_full
+        saved += layers * s["layer_full"]
     accumulating = schedule.accumulates(workload.micro_batches)
     # With an accumulator one micro-batch's gradient (fp32, G's size) sits beside it; without one
     # the micro-batch's gradient is G. The leaves outside the layers get theirs after the layers.
@@ -208,24 +303,32 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
         workload.micro_batches, workload.remat, layers, workload.implementation.prefetch,
         stack=not workload.looped_blocks,
     )  # fmt: skip
+    other_extra, transposed, first_layer = s["other_extra"], s["transposed"], s["first_layer"]
+    held_other = other_extra if accumulating or prefetch else 0
     # A kept first layer is held through every micro-batch: priced with the activations, which are
     # priced per batching, since it is the same whatever the placement.
     peaks = {
         "loss": Peak(
-            gathered=other_extra, grads=accumulation, p_with_os=transposed,
+            gathered=other_extra + s["fp32_copies"], grads=accumulation, p_with_os=transposed,
             activations=saved + 2 * logits + first_layer,
         ),
         "backward": Peak(
-            gathered=(3 if prefetch else 1) * layer_extra + (other_extra if accumulating or prefetch else 0),
-            grads=accumulation - other_grads,
+            gathered=(3 if prefetch else 1) * s["layer_extra"] + held_other + s["fp32_copies"],
+            grads=accumulation - s["other_grads"],
             p_with_os=transposed,
-            activations=saved + logits + full_layer + layer_grad + first_layer,
+            activations=saved + kept_logits + layer_peak + s["layer_grad"] + first_layer,
         ),
         "update": Peak(opt_state=0 if workload.update_in_place else trained_master),
-        "refresh": Peak(grads=-grads, p_with_os=refresh),
-    }
-    # The block the memory passes are priced by (`amsp_jax.cost.timing`): the saved inputs, one layer's
-    # full activations and two fp32 logits-sized buffers, as `amsp-jax profile` fitted them.
-    passes_block = layers * kept + full_layer + 2 * logits // p_bytes * FP32
-    from_master = params if not stored else 0
-    return Memory(params - from_master, grads, master, opt_state, passes_block, peaks, from_master)
+        "refresh": Peak(grads=-grads, p_with_os=s["refresh"]),
+    }  # fmt: skip
+    from_master = params if schedule.params_from_master(axes.strategy) else 0
+    passes = _passes_block(workload)
+    return Memory(params - from_master, grads, s["master"], opt_state, passes, peaks, from_master)
+
+
+def _passes_block(workload: Workload) -> int:
+    """The block the memory passes are priced by (`amsp_jax.cost.timing`): the saved inputs, one layer's
+    full activations and two fp32 logits-sized buffers, as `amsp-jax profile` fitted them."""
+    kept, full_layer = activation_bytes(workload)
+    logits = workload.micro_batch_size * workload.seq_len * workload.dims.vocab_size
+    return workload.dims.n_layers * kept + full_layer + 2 * logits * FP32

@@ -51,9 +51,8 @@ class ModelDims:
     """The transformer dimensions that set FLOPs and activation memory, and the attention's kind.
 
     `attention` is `LlamaConfig.attention`: `xla` materialises the (seq, seq) scores; `auto`,
-    `cudnn` and `blockwise` are flash-style (`amsp_jax.models.attention`). The cost model counts
-    `auto` as cuDNN's (what it runs on a GPU in bf16; elsewhere it runs blockwise, whose one block of
-    scores is then not counted).
+    `cudnn` and `blockwise` are flash-style (`amsp_jax.models.attention`). The memory model resolves
+    `auto` per backend and precision (`amsp_jax.cost.device_memory.attention_kind`).
     """
 
     n_layers: int
