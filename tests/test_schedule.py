@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -16,6 +17,7 @@ from amsp_jax.core import schedule
 from amsp_jax.cost.hardware import load
 from amsp_jax.models.llama import Llama, make_loss_fn
 from amsp_jax.planner import partitioner
+from amsp_jax.step.functions import train_step
 from tests.helpers import CLUSTER, STEPS, TINY, max_relative_error, optimizer, reference, train_data
 
 DIMS = cost.llama_dims(TINY)
@@ -84,7 +86,7 @@ def test_step_and_cost_model_read_one_prefetch_rule(monkeypatch):
     def has_remat(trainer) -> bool:
         abstract = trainer.abstract_state()
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), train_data()[0])
-        return "remat" in str(jax.make_jaxpr(trainer._train_step)(abstract, batch))
+        return "remat" in str(jax.make_jaxpr(functools.partial(train_step, trainer.program))(abstract, batch))
 
     def planned(**knobs):
         model = Llama(dataclasses.replace(TINY, n_layers=layers))
@@ -113,7 +115,9 @@ def test_step_and_cost_model_read_one_first_layer_rule(monkeypatch):
         trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model))
         trainer.setup(jax.random.key(0), train_data()[0]["inputs"])
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), train_data()[0])
-        traced = jax.make_jaxpr(trainer._train_step)(trainer.abstract_state(), batch)
+        traced = jax.make_jaxpr(functools.partial(train_step, trainer.program))(
+            trainer.abstract_state(), batch
+        )
         gathers = str(traced).count("all_gather")
         workload = audit.workload_of(trainer, train_data()[0], cost.llama_dims(model.config))
         return gathers, cost.memory(trainer.layout, workload).total, trainer.schedule.ops()

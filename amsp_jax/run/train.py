@@ -310,8 +310,7 @@ def _path_name(path: tuple[Any, ...]) -> str:
 
 def describe_plan(trainer: Trainer) -> list[str]:
     """The plan as printed lines: mesh, placements, batch split, precision, replicated leaves, gathering."""
-    plan, layout, params = trainer.plan, trainer.layout, trainer.params_layout
-    assert params is not None, "call trainer.setup() or init() first"
+    plan, layout, params = trainer.plan, trainer.layout, trainer.program.params
     held = grad_dtype(plan.micro_batches, plan.precision.reduce_dtype)
     grads = "fp32 accumulation" if accumulates(plan.micro_batches) else held
     dtype = {"params": plan.precision.param_dtype, "grads": grads, "opt_state": "fp32"}
