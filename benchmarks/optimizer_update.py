@@ -167,6 +167,7 @@ def check_leaves(cluster: Any, strategy: str, config: Any, kind: str, only: str 
     import amsp_jax as aj
     from amsp_jax import cost
     from amsp_jax.core import mesh as sharding
+    from amsp_jax.core.leaf import Leaf
     from amsp_jax.cost import optimizer as optimizer_cost
 
     layout = sharding.make_layout(cluster, aj.resolve(strategy, cluster))
@@ -178,7 +179,7 @@ def check_leaves(cluster: Any, strategy: str, config: Any, kind: str, only: str 
         if opt is None:
             continue
         rules = optimizer_cost.describe(opt, {"w": jax.ShapeDtypeStruct(shape, np.float32)})
-        leaf = sharding.leaf_layout(layout, shape, stacked, not rules.communicates_on(("w",)))
+        leaf = sharding.leaf_layout(layout, Leaf(("w",), shape, stacked), not rules.communicates_on(("w",)))
         predicted: dict[str, int] = {}
         workload = cost.Workload((), cost.llama_dims(config), 1, 1, 1, min_collective_itemsize=4)
         for op in optimizer_cost.update_ops(layout, ("w",), leaf, rules):
@@ -211,6 +212,7 @@ def whole_matrices(cluster: Any, strategy: str, config: Any) -> list[dict]:
 
     import amsp_jax as aj
     from amsp_jax.core import mesh as sharding
+    from amsp_jax.core.leaf import Leaf
 
     layout = sharding.make_layout(cluster, aj.resolve(strategy, cluster))
     axes = layout.axes("opt_state")
@@ -220,11 +222,13 @@ def whole_matrices(cluster: Any, strategy: str, config: Any) -> list[dict]:
         opt = _single_leaf_optimizer("muon", config, path)
         if opt is None or not stacked or shape[0] % k:
             continue
-        leaf = sharding.leaf_layout(layout, shape, stacked, major_first=False)  # as the Trainer splits it
+        # Split as the Trainer splits it.
+        leaf = sharding.leaf_layout(layout, Leaf(path, shape, stacked), major_first=False)
         entry = axes if len(axes) > 1 else axes[0]
         spec = P(entry, *([None] * (len(shape) - 1)))
         owned = sharding.LeafLayout(
-            tuple(shape), 0, {c: spec for c in ("params", "grads", "opt_state")}, tuple(shape),
+            Leaf(path, tuple(shape), stacked), 0, {c: spec for c in ("params", "grads", "opt_state")},
+            tuple(shape),
             axis_dims=tuple((a, 0) for a in axes),
         )  # fmt: skip
         split = _compiled_bytes(_compile_update(opt, layout, leaf), layout)

@@ -118,7 +118,7 @@ def pads(request: Request, strategy: Strategy) -> bool:
     """Whether some leaf of the request's model is padded under `strategy`."""
     axes = plan_axes(request.cluster.cluster(), strategy)
     return any(
-        leaf_layout(axes, leaf.shape, leaf.stacked).padded != leaf.shape for leaf in request.workload().leaves
+        leaf_layout(axes, leaf).padded != leaf.shape for leaf in request.workload().leaves
     )
 
 

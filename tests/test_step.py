@@ -15,6 +15,7 @@ import amsp_jax as aj
 from amsp_jax import trainer as step_module
 from amsp_jax.core.schedule import MIN_PREFETCH_LAYERS
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
+from amsp_jax.step import micro_loss
 from tests.helpers import (
     CLUSTER,
     STEPS,
@@ -277,6 +278,6 @@ def test_one_micro_batch_holds_g_in_the_reduce_dtype_at_no_cost_in_accuracy(monk
         return trainer.full_params(state)
 
     bf16_params = run()
-    monkeypatch.setattr(step_module, "grad_dtype", lambda micro_batches, reduce_dtype: "float32")
+    monkeypatch.setattr(micro_loss, "grad_dtype", lambda micro_batches, reduce_dtype: "float32")
     fp32_params = run()
     assert jax.tree.all(jax.tree.map(np.array_equal, bf16_params, fp32_params))

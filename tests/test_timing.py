@@ -418,7 +418,7 @@ def test_a_traced_models_token_embedding_is_its_only_looked_up_leaf(style):
 def test_a_weight_picked_at_fixed_rows_is_not_looked_up():
     from flax import linen as nn
 
-    from amsp_jax.layers.stack import looked_up_leaves
+    from amsp_jax.layers.discovery import looked_up_leaves
 
     class Loop(nn.Module):
         @nn.compact

@@ -150,7 +150,7 @@ def test_no_llama_leaf_stays_whole_at_1024_and_8192_devices(name, nodes):
     axes = plan_axes(cluster, aj.zero3(cluster))
     real = stored = 0
     for leaf in workload.leaves:
-        split = leaf_layout(axes, leaf.shape, leaf.stacked)
+        split = leaf_layout(axes, leaf)
         assert split.dim is not None, leaf.path
         for component in COMPONENTS:
             block = split.block_shape(axes, component)

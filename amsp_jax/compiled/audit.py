@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 from amsp_jax import cost
 from amsp_jax.compiled import hlo
@@ -30,6 +29,7 @@ from amsp_jax.core.mesh import AxisPlan
 from amsp_jax.cost import optimizer as optimizer_cost
 from amsp_jax.cost.trace import trace
 from amsp_jax.layers.stack import FIRST_LAYER_SCOPE, STACK_PARAM
+from amsp_jax.step.state import abstract_master
 
 # Compiled memory on the CPU backend vs the cost model's estimate (activations and temporaries are an
 # estimate of XLA's buffer assignment); the tests assert this bound.
@@ -343,21 +343,11 @@ def _nonzero(totals: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
 
 def workload_of(trainer: Any, batch: Any, dims: cost.ModelDims) -> cost.Workload:
     """The cost model's workload for a set-up Trainer and a global batch `{"inputs": (B, T), ...}`."""
-    layout = trainer.params_layout
-    leaves = tuple(
-        cost.LeafShape(
-            path, leaf.shape, layout.stack_of(path) is not None, layout.per_layer(path),
-            path not in layout.backward_unused, path in layout.frozen,
-            layout.stack_of(path) or layout.block_of(path), layout.in_layer_stack(path),
-            path in layout.looked_up,
-        )
-        for path, leaf in layout.leaves.items()
-    )
+    program = trainer.program
+    leaves = tuple(split.leaf for split in program.params.leaves.values())
     global_batch, seq_len = jax.tree.leaves(batch)[0].shape[:2]
-    plan = trainer.plan
+    plan, platform = program.plan, program.layout.platform
     micro_batch_size = global_batch // (plan.cluster.num_devices * plan.micro_batches)
-    on_cpu = trainer.layout.platform == "cpu"
-    master = layout.tree(lambda _, leaf: jax.ShapeDtypeStruct(leaf.padded, np.float32))
     return cost.Workload(
         leaves,
         dims,
@@ -366,11 +356,12 @@ def workload_of(trainer: Any, batch: Any, dims: cost.ModelDims) -> cost.Workload
         plan.micro_batches,
         plan.precision,
         plan.remat,
-        min_collective_itemsize=4 if on_cpu else 1,
+        min_collective_itemsize=4 if platform == "cpu" else 1,
         implementation=plan.implementation,
-        optimizer=optimizer_cost.describe(trainer.optimizer, master),
-        update_in_place=selects_in_place(trainer.layout.platform),
-        platform=trainer.layout.platform,
+        # Described on the stored (padded) master, which the compiled update runs on.
+        optimizer=optimizer_cost.describe(program.optimizer, abstract_master(program)),
+        update_in_place=selects_in_place(platform),
+        platform=platform,
     )
 
 
@@ -382,17 +373,18 @@ def audit_trainer(
     `dims` (for the memory and time model) default to those `amsp_jax.cost.trace.trace` infers from the
     trainer's model.
     """
+    program = trainer.program
     if dims is None:
-        dims = trace(trainer.model, trainer.example_inputs, trainer.layers).dims
+        dims = trace(program.model, program.example.args, program.classes).dims
     abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     compiled = trainer.compile(trainer.abstract_state(), abstract_batch)
     if dump_hlo:
         Path(dump_hlo).write_text(compiled.as_text())
-    predicted = cost.predict(trainer.layout, workload_of(trainer, batch, dims))
+    predicted = cost.predict(program.layout, workload_of(trainer, batch, dims))
     # A stack's parameters live under its module's path plus STACK_PARAM; ops are named by the module path.
-    pl = trainer.params_layout
+    pl = program.params
     scopes = tuple(
         "/".join(map(str, stack[:-1] if stack[-1] == STACK_PARAM else stack))
         for stack in (*pl.stacks, *pl.blocks)
     )
-    return Report(str(trainer.plan.strategy), predicted, measure(compiled, trainer.layout, scopes))
+    return Report(str(program.plan.strategy), predicted, measure(compiled, program.layout, scopes))

@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from amsp_jax.core.leaf import Leaf
 from amsp_jax.core.space import COMPONENTS, Cluster, Strategy
 
 
@@ -152,12 +153,17 @@ class LeafLayout:
     blocks, their collectives); the model, the user's parameters and checkpoints see `shape`.
     """
 
-    shape: tuple[int, ...]
+    leaf: Leaf
     dim: int | None
     specs: dict[str, P]
     padded: tuple[int, ...]
     minor_dim: int | None = None
     axis_dims: tuple[tuple[str, int], ...] = ()  # every axis of the largest group -> the dimension it splits
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The leaf's full shape."""
+        return self.leaf.shape
 
     @property
     def is_padded(self) -> bool:
@@ -220,15 +226,14 @@ def shard_dims(
     return min(dims, key=lambda dim: (padding(dim), -shape[dim], dim)), None
 
 
-def leaf_layout(
-    layout: AxisPlan, shape: Sequence[int], stacked: bool, major_first: bool = True
-) -> LeafLayout:
+def leaf_layout(layout: AxisPlan, leaf: Leaf, major_first: bool = True) -> LeafLayout:
     """Split of one leaf: every component on the same dimension(s), smaller groups' axes first (a prefix
     of the largest group's), padded to the largest group where nothing divides (`shard_dims`)."""
     # Every component's axes are a prefix of the largest group's, whose intra-node axes come first.
     order = max((layout.axes(c) for c in COMPONENTS), key=len)
+    shape = leaf.shape
     intra_axes = [a for a in order if not layout.is_inter(a)]
-    dim, minor_dim = shard_dims(shape, layout.size(order), stacked, layout.size(intra_axes), major_first)
+    dim, minor_dim = shard_dims(shape, layout.size(order), leaf.stacked, layout.size(intra_axes), major_first)
     axis_dims = (
         tuple((a, minor_dim if minor_dim is not None and layout.is_inter(a) else dim) for a in order)
         if dim is not None
@@ -247,7 +252,7 @@ def leaf_layout(
     padded = list(shape)
     if dim is not None and minor_dim is None:
         padded[dim] = padded_size(shape[dim], layout.size(order))
-    return LeafLayout(tuple(shape), dim, specs, tuple(padded), minor_dim, axis_dims)
+    return LeafLayout(leaf, dim, specs, tuple(padded), minor_dim, axis_dims)
 
 
 def pad(x: Any, padded: Sequence[int]) -> Any:

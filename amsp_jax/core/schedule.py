@@ -2,18 +2,12 @@
 
 A `Schedule` lists, for every parameter leaf, each collective the step issues: its kind, the mesh
 axes of the group, the dimension it splits or joins, the element count and dtype of its input on one
-device, how many times it runs per step and in which phase. `amsp_jax.trainer` executes these ops
-(through `amsp_jax.step.collectives.execute`), `amsp_jax.cost` counts their bytes and memory,
-`amsp_jax.cost.timing` prices them, and `amsp_jax.compiled.audit` checks the compiled program against
-them. The rules that decide what runs are here and nowhere else:
+device, how many times it runs per step and in which phase. `amsp_jax.step` executes these ops
+(`amsp_jax.step.collectives.execute`), `amsp_jax.cost` counts and prices them, and
+`amsp_jax.compiled.audit` checks the compiled program against them. The rules live here only:
 
-  - `uses_prefetch`: whether a layer stack runs the explicit-prefetch loop or the checkpointed scan,
-    and whether a loop of blocks chains its gathers one block ahead;
-  - `accumulates`: whether the step keeps an fp32 gradient accumulator (only with several
-    micro-batches), and `grad_dtype`: G held in the reduce dtype without one;
-  - `keeps_first_layer`: whether a layer stack's first layer is gathered once per step and its
-    gradient summed over the micro-batches before one reduce-scatter (`Implementation`);
-  - `params_from_master`: whether P is stored or cast from the master block where it is used;
+  - `uses_prefetch`, `accumulates` / `grad_dtype`, `keeps_first_layer`, `params_from_master`: the
+    step-wide choices (prefetching, the fp32 G accumulator, a kept first layer, a stored P);
   - how a collective over axes that span nodes is issued (`Implementation.hierarchical`): split into
     runs of intra- and inter-node axes (a reduce-scatter intra first, an all-gather inter first, an
     all-reduce as reduce-scatter / all-reduce / all-gather), or flat over the whole group;
@@ -31,6 +25,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from amsp_jax.core.backend import combine_thresholds
+from amsp_jax.core.leaf import Leaf
 from amsp_jax.core.mesh import AxisPlan, LeafLayout, leaf_layout
 from amsp_jax.core.space import Strategy
 
@@ -58,14 +53,10 @@ def uses_prefetch(
     """Whether `layers` layers gather one layer ahead: a `LayerStack` runs the explicit-prefetch loop
     (else the checkpointed scan), a loop of blocks chains each block's gather to the previous block.
 
-    A stack runs the checkpointed scan unless `prefetch=True` asks for the loop: compiled for 1,024
-    A100s, every LLaMA-7B and 13B preset held as much or less memory on the scan (0.3-1.8 GiB less
-    where P is sharded) with as much of its per-layer traffic overlapped, since XLA's collective
-    pipeliner moves the next layer's gather ahead of the current one's compute. A loop of blocks
-    has no such pipeliner (its calls are straight-line code), so it chains by default. Either needs
-    one micro-batch and full remat: inside a micro-batch loop XLA hoists the first, loop-invariant
-    gathers out of it (and may merge them with the backward ones), and the loop recomputes every
-    layer. `prefetch=False` turns both off (on a backend that cannot overlap they only add work).
+    A stack runs the checkpointed scan unless `prefetch=True` asks for the loop, since XLA's collective
+    pipeliner already moves the scan's next gather ahead (with less memory than the loop); a loop of
+    blocks (straight-line code, no pipeliner) chains by default. Either needs one micro-batch and full
+    remat (in a micro-batch loop XLA hoists the first gathers out). `prefetch=False` turns both off.
     """
     if prefetch is False or (stack and prefetch is not True):
         return False
@@ -87,14 +78,10 @@ def grad_dtype(micro_batches: int, reduce_dtype: str) -> str:
 def keeps_first_layer(micro_batches: int, layers: int, implementation: Implementation) -> bool:
     """Whether a `LayerStack` of `layers` layers keeps its first layer gathered across the micro-batches.
 
-    A micro-batch's layer loop starts with the first layer's gather and ends with its gradient's
-    reduce-scatter, and nothing runs beside either: XLA's collective pipeliner peels them out of the
-    layer loop, to where the micro-batch starts and ends (compiled for 16 H100s, M = 4: they were the
-    only looped collectives with no gemm between start and done). Kept, the first layer is gathered
-    once per step with the leaves outside the layers, runs outside the loop on those weights, and its
-    gradient is summed in fp32 over the micro-batches and reduce-scattered once after them; the loop
-    then starts and ends beside the first layer's compute. It costs the gathered layer and an fp32
-    copy of it for the whole step (`amsp_jax.cost.device_memory.memory`), so it is a choice, off by default.
+    XLA's pipeliner peels a layer loop's first gather and last reduce-scatter to where the micro-batch
+    starts and ends, with no compute beside them; kept, the first layer is gathered once per step and
+    its gradient summed in fp32 and reduce-scattered once, at the cost of the gathered layer and an fp32
+    copy for the whole step (`amsp_jax.cost.device_memory.memory`): a choice, off by default.
     """
     return implementation.keep_first_layer and micro_batches > 1 and layers > 1
 
@@ -120,14 +107,11 @@ class Implementation:
 class Op:
     """One collective as the step issues it, on one device.
 
-    `elements` counts this device's input (for an all-gather: its block; for a reduce-scatter or an
-    all-reduce: the full buffer). `dim` is the tensor dimension split or joined: of one layer's tensor
-    in the per-layer phases of a layer stack, of the whole leaf in the once-per-step reduction and
-    refresh; None means the op runs on the flattened buffer (the hierarchical all-reduce). `unit`: the
-    layer group (a stack's or a block's path) whose layers the op runs with, for the per-layer ops;
-    None for ops that run with every leaf of their phase (`launches` merges by it). `feeds`: its result
-    is the next collective's input, a stage of a chain (a split collective, or a leaf split over two
-    dimensions), not a value the step uses.
+    `elements` counts this device's input (an all-gather's block; a reduce-scatter's or all-reduce's
+    full buffer). `dim`: the dimension split or joined (of one layer's tensor in a stack's per-layer
+    phases); None: the flattened buffer. `unit`: the stack or block the per-layer op runs with (None:
+    with every leaf of its phase; `launches` merges by it). `feeds`: a stage of a chain whose result is
+    the next collective's input, not a value the step uses.
     """
 
     phase: str
@@ -246,20 +230,29 @@ class _Builder:
 
 
 @dataclasses.dataclass(frozen=True)
-class LeafSchedule:
-    """Every collective one parameter leaf takes part in, by what the step does with it."""
+class StepSettings:
+    """The step-wide choices every leaf's ops follow: micro-batches, remat, the bytes per element of P
+    and of the gradient reduction, and how collectives are issued."""
 
-    path: tuple[str, ...]
+    micro_batches: int
+    remat: str
+    param_itemsize: int
+    reduce_itemsize: int
+    implementation: Implementation = Implementation()
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSchedule:
+    """Every collective one parameter leaf takes part in, by what the step does with it; `split.leaf`
+    is the leaf."""
+
     split: LeafLayout
-    stacked: bool
-    gather: tuple[Op, ...]
-    regather: tuple[Op, ...]
-    grad_reduce: tuple[Op, ...]
-    reduction: tuple[Op, ...]
-    refresh: tuple[Op, ...]
-    refresh_slice: tuple[str, ...]
-    per_layer: bool = False  # gathered per layer (a stack's or a block's leaf), else once per step
-    frozen: bool = False  # not trained: gathered, never reduced or refreshed
+    gather: tuple[Op, ...] = ()
+    regather: tuple[Op, ...] = ()
+    grad_reduce: tuple[Op, ...] = ()
+    reduction: tuple[Op, ...] = ()
+    refresh: tuple[Op, ...] = ()
+    refresh_slice: tuple[str, ...] = ()
     # Whether the first layer is kept (`keeps_first_layer`); then its collectives, those of `gather`
     # and `grad_reduce` once per step (the gather with the other leaves', the reduce-scatter after the
     # micro-batches), and the other ops count the loop's layers only.
@@ -268,9 +261,29 @@ class LeafSchedule:
     first_reduce: tuple[Op, ...] = ()
 
     @property
+    def leaf(self) -> Leaf:
+        """The leaf these ops are of."""
+        return self.split.leaf
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the leaf has a leading layer dimension."""
+        return self.leaf.stacked
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the leaf is not trained: gathered, never reduced or refreshed."""
+        return self.leaf.frozen
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether the leaf is gathered per layer (a stack's or a block's leaf), else once per step."""
+        return self.leaf.gathered_per_layer and self.split.dim is not None
+
+    @property
     def layers(self) -> int:
         """Layers of a stacked leaf (1 otherwise)."""
-        return self.split.shape[0] if self.stacked else 1
+        return self.leaf.layers
 
     @property
     def gathered_shape(self) -> tuple[int, ...]:
@@ -293,101 +306,32 @@ class LeafSchedule:
 
 
 def leaf_schedule(
-    axes: AxisPlan,
-    path: tuple[str, ...],
-    shape: Sequence[int],
-    stacked: bool,
-    micro_batches: int,
-    remat: str,
-    param_itemsize: int,
-    reduce_itemsize: int,
-    implementation: Implementation = Implementation(),
-    per_layer: bool | None = None,
-    regathered: bool = True,
-    frozen: bool = False,
-    major_first: bool = True,
-    unit: tuple[str, ...] | None = None,
-    layer_stack: bool = False,
+    axes: AxisPlan, leaf: Leaf, settings: StepSettings, major_first: bool = True
 ) -> LeafSchedule:
     """The collectives the step runs for one leaf, with their executions per step.
 
-    Leaves of a layer (`per_layer`; by default the stacked ones: a leading layer dimension) are
-    gathered per layer and micro-batch in the forward pass and again in the backward pass unless
-    remat is `none` (then the gathered weights are saved); their gradient is reduce-scattered onto G
-    per layer and micro-batch. Other leaves' gathers do not depend on the micro-batch, so XLA hoists
-    them out of the micro-batch loop (once per step); their gradient is reduce-scattered per
-    micro-batch. Once per step the G→OS reduction and the P refresh run. A leaf the backward pass never
-    reads (`regathered=False`, e.g. a bias added just before a residual sum) is not gathered again.
-    A `frozen` leaf is gathered as any other but has no gradient: no reduce-scatter, no reduction onto
-    OS, and no refresh in the step (its P never changes). `major_first`: how the leaf is split
-    (`sharding.shard_dims`). `unit`: the stack or block a per-layer leaf is gathered with (default: the
-    leaf alone), which `launches` merges by. `layer_stack`: the leaf is a `LayerStack`'s, whose first
-    layer the step may keep gathered (`keeps_first_layer`): then the layer loop runs the other layers.
+    A leaf of a layer (`Leaf.gathered_per_layer`) is gathered per layer and micro-batch in the forward
+    pass and again in the backward pass (unless remat is `none`, or the backward never reads it:
+    `regathered=False`), and its gradient reduce-scattered per layer and micro-batch; another leaf's
+    gather is hoisted out of the micro-batch loop (once per step), its gradient reduce-scattered per
+    micro-batch. Once per step the G→OS reduction and the P refresh run. A `frozen` leaf is gathered
+    but never reduced or refreshed. `major_first`: how the leaf is split (`mesh.shard_dims`).
     """
-    split = leaf_layout(axes, shape, stacked, major_first)
-    build = _Builder(axes, implementation.hierarchical)
+    split = leaf_layout(axes, leaf, major_first)
+    build = _Builder(axes, settings.implementation.hierarchical)
     size = math.prod(split.padded)  # what moves is the stored (padded) leaf
-    layers = shape[0] if stacked else 1
-    layer_size = size // layers
-    all_axes = axes.all_axes
-    per_layer = stacked if per_layer is None else per_layer
-    kept_first = bool(per_layer and stacked and layer_stack) and keeps_first_layer(
-        micro_batches, layers, implementation
+    kept_first = bool(leaf.gathered_per_layer and leaf.stacked and leaf.layer_stack) and keeps_first_layer(
+        settings.micro_batches, leaf.layers, settings.implementation
     )
     if split.dim is None:
         # A leaf with nothing to split (a scalar) stays whole everywhere: only its gradient is summed.
-        reduction = [] if frozen else build.all_reduce(REDUCTION, all_axes, size, reduce_itemsize, 1)
-        return LeafSchedule(
-            tuple(path), split, stacked, (), (), (), tuple(reduction), (), (), False, frozen, kept_first
+        reduction = [] if leaf.frozen else build.all_reduce(
+            REDUCTION, axes.all_axes, size, settings.reduce_itemsize, 1
         )
-    largest = tuple(a for a, _ in split.axis_dims)
-    dim, leaf_dims = split.dims_of(largest, int(stacked)), split.dims_of(largest)
-    p_axes, g_axes, o_axes = axes.axes("params"), axes.axes("grads"), axes.axes("opt_state")
-    p_block = layer_size // axes.size(p_axes)
-    per_micro_batch = (layers - kept_first) * micro_batches
-    layer_build = dataclasses.replace(build, unit=unit or tuple(path)) if per_layer else build
-    if per_layer:
-        gather = layer_build.all_gather(FORWARD_GATHER, p_axes, dim, p_block, param_itemsize, per_micro_batch)
-        regather = (
-            layer_build.all_gather(BACKWARD_GATHER, p_axes, dim, p_block, param_itemsize, per_micro_batch)
-            if remat != "none" and regathered
-            else []
-        )
-    else:
-        gather, regather = build.all_gather(OTHER_GATHER, p_axes, dim, p_block, param_itemsize, 1), []
-    # A loop of blocks is straight-line code, so XLA merges its blocks' gradient reduce-scatters with
-    # each other and the other leaves' (up to the threshold); a stack's run once per loop iteration.
-    grad_build = layer_build if stacked else build
-    grad_reduce = (
-        []
-        if frozen
-        else grad_build.reduce_scatter(GRAD_REDUCE, g_axes, dim, layer_size, reduce_itemsize, per_micro_batch)
-    )
-
-    g_block = size // axes.size(g_axes)
-    o_block = size // axes.size(o_axes)
-    if frozen:
-        reduction = []
-    elif set(g_axes) <= set(o_axes):
-        # OS is finer than G: scatter over the axes OS adds, then sum over its replicas (MiCS' 2 hops).
-        extra = [a for a in o_axes if a not in g_axes]
-        reduction = build.reduce_scatter(REDUCTION, extra, leaf_dims, g_block, reduce_itemsize, 1)
-        reduction += build.all_reduce(
-            REDUCTION, [a for a in all_axes if a not in o_axes], o_block, reduce_itemsize, 1
-        )
-    else:
-        # G is finer than OS: sum over G's replicas, then gather the axes G has beyond OS.
-        reduction = build.all_reduce(
-            REDUCTION, [a for a in all_axes if a not in g_axes], g_block, reduce_itemsize, 1
-        )
-        reduction += build.all_gather(
-            REDUCTION, [a for a in g_axes if a not in o_axes], leaf_dims, g_block, reduce_itemsize, 1
-        )
-    if set(p_axes) <= set(o_axes):
-        extra = [a for a in o_axes if a not in p_axes]
-        refresh, refresh_slice = build.all_gather(REFRESH, extra, leaf_dims, o_block, param_itemsize, 1), ()
-    else:
-        refresh, refresh_slice = [], tuple(a for a in p_axes if a not in o_axes)
+        return LeafSchedule(split, reduction=tuple(reduction), keeps_first_layer=kept_first)
+    gather, regather, grad_reduce = _layer_ops(axes, split, settings, kept_first)
+    reduction = () if leaf.frozen else _reduction(build, split, settings.reduce_itemsize)
+    refresh, refresh_slice = _refresh(build, split, settings.param_itemsize)
     first_gather = first_reduce = ()
     if kept_first:
         first_gather = tuple(
@@ -395,10 +339,78 @@ def leaf_schedule(
         )
         first_reduce = tuple(dataclasses.replace(op, executions=1, unit=None) for op in grad_reduce)
     return LeafSchedule(
-        tuple(path), split, stacked, tuple(gather), tuple(regather), tuple(grad_reduce),
-        tuple(reduction), tuple(refresh), refresh_slice, per_layer, frozen, kept_first, first_gather,
+        split, gather, regather, grad_reduce, reduction, refresh, refresh_slice, kept_first, first_gather,
         first_reduce,
     )  # fmt: skip
+
+
+def _layer_ops(
+    axes: AxisPlan, split: LeafLayout, settings: StepSettings, kept_first: bool
+) -> tuple[tuple[Op, ...], tuple[Op, ...], tuple[Op, ...]]:
+    """A leaf's gathers (forward, backward) and gradient reduce-scatters: per layer and micro-batch for
+    a leaf of a layer, else the gather once per step and the reduce-scatter per micro-batch."""
+    leaf = split.leaf
+    build = _Builder(axes, settings.implementation.hierarchical)
+    p_axes, g_axes = axes.axes("params"), axes.axes("grads")
+    layer_size = math.prod(split.padded) // leaf.layers
+    p_block = layer_size // axes.size(p_axes)
+    dim = split.dims_of(tuple(a for a, _ in split.axis_dims), int(leaf.stacked))
+    per_micro_batch = (leaf.layers - kept_first) * settings.micro_batches
+    itemsize = settings.param_itemsize
+    if leaf.gathered_per_layer:
+        layer_build = dataclasses.replace(build, unit=leaf.unit or leaf.path)
+        gather = layer_build.all_gather(FORWARD_GATHER, p_axes, dim, p_block, itemsize, per_micro_batch)
+        regather = (
+            layer_build.all_gather(BACKWARD_GATHER, p_axes, dim, p_block, itemsize, per_micro_batch)
+            if settings.remat != "none" and leaf.regathered
+            else []
+        )
+    else:
+        layer_build = build
+        gather, regather = build.all_gather(OTHER_GATHER, p_axes, dim, p_block, itemsize, 1), []
+    # A loop of blocks is straight-line code, so XLA merges its blocks' gradient reduce-scatters with
+    # each other and the other leaves' (up to the threshold); a stack's run once per loop iteration.
+    grad_build = layer_build if leaf.stacked else build
+    grad_reduce = (
+        []
+        if leaf.frozen
+        else grad_build.reduce_scatter(
+            GRAD_REDUCE, g_axes, dim, layer_size, settings.reduce_itemsize, per_micro_batch
+        )
+    )
+    return tuple(gather), tuple(regather), tuple(grad_reduce)
+
+
+def _reduction(build: _Builder, split: LeafLayout, itemsize: int) -> tuple[Op, ...]:
+    """The once-per-step G→OS reduction of a leaf, by how G's and OS's groups nest."""
+    axes = build.axes
+    g_axes, o_axes, all_axes = axes.axes("grads"), axes.axes("opt_state"), axes.all_axes
+    size = math.prod(split.padded)
+    g_block, o_block = size // axes.size(g_axes), size // axes.size(o_axes)
+    leaf_dims = split.dims_of(tuple(a for a, _ in split.axis_dims))
+    if set(g_axes) <= set(o_axes):
+        # OS is finer than G: scatter over the axes OS adds, then sum over its replicas (MiCS' 2 hops).
+        extra = [a for a in o_axes if a not in g_axes]
+        ops = build.reduce_scatter(REDUCTION, extra, leaf_dims, g_block, itemsize, 1)
+        ops += build.all_reduce(REDUCTION, [a for a in all_axes if a not in o_axes], o_block, itemsize, 1)
+        return tuple(ops)
+    # G is finer than OS: sum over G's replicas, then gather the axes G has beyond OS.
+    ops = build.all_reduce(REDUCTION, [a for a in all_axes if a not in g_axes], g_block, itemsize, 1)
+    extra = [a for a in g_axes if a not in o_axes]
+    ops += build.all_gather(REDUCTION, extra, leaf_dims, g_block, itemsize, 1)
+    return tuple(ops)
+
+
+def _refresh(build: _Builder, split: LeafLayout, itemsize: int) -> tuple[tuple[Op, ...], tuple[str, ...]]:
+    """The once-per-step P refresh from OS: a gather of the axes P lacks, or a slice of those it adds."""
+    axes = build.axes
+    p_axes, o_axes = axes.axes("params"), axes.axes("opt_state")
+    if set(p_axes) <= set(o_axes):
+        extra = [a for a in o_axes if a not in p_axes]
+        o_block = math.prod(split.padded) // axes.size(o_axes)
+        leaf_dims = split.dims_of(tuple(a for a, _ in split.axis_dims))
+        return tuple(build.all_gather(REFRESH, extra, leaf_dims, o_block, itemsize, 1)), ()
+    return (), tuple(a for a in p_axes if a not in o_axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,10 +448,7 @@ def launches(ops: Iterable[tuple[int, Op]], platform: str, layer_bytes: int) -> 
     planner's placements priced one by one (`amsp_jax.planner.partitioner`, on meshes of fewer axes) issue as
     many as the whole strategy; two groups of one shape over different axes of one mesh (a leaf split
     along two dimensions beside one split along one) count as one. A kind the platform does not merge
-    is issued once per op. Compiled for H100s and A100s (4-32 layers, every preset) XLA issues this
-    many, less two gathers and at most one reduce-scatter per micro-batch that it also merges at the
-    turn from forward to backward (LLaMA-7B zero3 at 1,024 A100s: 65 / 63 all-gathers and 66 / 32
-    reduce-scatters per level predicted / compiled, against 579 and 291 ops of leaves).
+    is issued once per op.
     """
     thresholds = combine_thresholds(platform, layer_bytes)
     merged: dict[tuple[object, ...], list[int]] = {}
@@ -456,8 +465,7 @@ def launches(ops: Iterable[tuple[int, Op]], platform: str, layer_bytes: int) -> 
 def _packed(sizes: list[int], threshold: float) -> int:
     """Collectives XLA's combiner makes of ops of `sizes`, in order: each joins the open one while the
     sum stays within `threshold`, else starts the next; an op above the threshold goes alone and leaves
-    the open one open (13B's layer gradient over 4 devices: its three 35 MB reduce-scatters alone, the
-    norms and four 13 MB ones in two, 5 per layer as compiled)."""
+    the open one open."""
     alone = sum(size > threshold for size in sizes)
     merged, open_bytes = 0, 0.0
     for size in sizes:
@@ -470,9 +478,8 @@ def _packed(sizes: list[int], threshold: float) -> int:
 
 
 def largest_gather_bytes(layers: Iterable[tuple[tuple[str, ...] | None, int]], itemsize: int) -> int:
-    """Bytes of the step's largest single gather from `(unit, stored elements of one layer)` per leaf:
-    one layer of a stack or block (its leaves together), or every other leaf (unit None) together.
-    The step gives XLA this as its combine threshold (`backend.combine_thresholds`); `launches` reads it."""
+    """Bytes of the step's largest single gather from `(unit, stored elements of one layer)` per leaf: one
+    layer of a stack or block, or every other leaf (unit None) together; XLA's combine threshold."""
     per_unit: dict[tuple[str, ...] | None, int] = {}
     for unit, elements in layers:
         per_unit[unit] = per_unit.get(unit, 0) + elements * itemsize
@@ -480,22 +487,14 @@ def largest_gather_bytes(layers: Iterable[tuple[tuple[str, ...] | None, int]], i
 
 
 def build(
-    axes: AxisPlan,
-    leaves: Iterable[
-        tuple[tuple[str, ...], Sequence[int], bool, bool, bool, bool, bool, tuple[str, ...] | None, bool]
-    ],
-    micro_batches: int,
-    remat: str,
-    param_itemsize: int,
-    reduce_itemsize: int,
-    implementation: Implementation = Implementation(),
+    axes: AxisPlan, leaves: Iterable[Leaf], settings: StepSettings, split_largest: frozenset = frozenset()
 ) -> Schedule:
-    """The schedule of a step over `leaves` given as (path, shape, stacked, gathered per layer,
-    gathered again in the backward pass, frozen, split major dimension first, layer group, a
-    `LayerStack`'s)."""
-    knobs = (micro_batches, remat, param_itemsize, reduce_itemsize, implementation)
+    """The schedule of a step over `leaves`; those in `split_largest` (paths) are split along their
+    largest dimension rather than the most major one (`mesh.shard_dims`)."""
     scheduled = {
-        tuple(path): leaf_schedule(axes, tuple(path), shape, stacked, *knobs, *flags)
-        for path, shape, stacked, *flags in leaves
+        leaf.path: leaf_schedule(axes, leaf, settings, leaf.path not in split_largest) for leaf in leaves
     }
-    return Schedule(scheduled, micro_batches, remat, implementation, params_from_master(axes.strategy))
+    return Schedule(
+        scheduled, settings.micro_batches, settings.remat, settings.implementation,
+        params_from_master(axes.strategy),
+    )  # fmt: skip

@@ -19,7 +19,7 @@ from amsp_jax.cost.traffic import (
 )
 from amsp_jax.cost.workload import (
     FP32,
-    LeafShape,
+    Leaf,
     ModelDims,
     Workload,
     llama_dims,
@@ -30,7 +30,7 @@ from amsp_jax.cost.workload import (
 __all__ = [
     "FP32",
     "PEAKS",
-    "LeafShape",
+    "Leaf",
     "Memory",
     "ModelDims",
     "Peak",

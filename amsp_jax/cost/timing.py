@@ -79,7 +79,7 @@ from amsp_jax.cost.device_memory import Memory
 from amsp_jax.cost.hardware import PASS_DEFAULTS, SPLIT_RESULTS, STORED_PARAMS, ClusterConfig
 from amsp_jax.cost.prediction import Prediction, predict
 from amsp_jax.cost.traffic import Transfer, issued, largest_gather_bytes, leaf_ops
-from amsp_jax.cost.workload import FP32, LeafShape, Workload
+from amsp_jax.cost.workload import FP32, Leaf, Workload
 
 FORWARD_GATHER = "P gather, layers (forward)"
 BACKWARD_GATHER = "P re-gather, layers (backward)"
@@ -113,11 +113,11 @@ Traffic = Mapping[str, tuple[Transfer, ...]]
 """Per-device transfers of one step by overlap group, merged by (kind, level)."""
 
 
-def distinct_leaves(workload: Workload) -> list[tuple[LeafShape, int]]:
+def distinct_leaves(workload: Workload) -> list[tuple[Leaf, int]]:
     """One leaf per kind of leaf and its count: identical leaves of one layer group (wq/wk/wv, w1/w3)
     run identical ops."""
 
-    def key(leaf: LeafShape) -> tuple[object, ...]:
+    def key(leaf: Leaf) -> tuple[object, ...]:
         # A per-layer leaf without a named stack or block is a group of its own: its path stays.
         alone = leaf.layer_group == leaf.path
         return dataclasses.astuple(dataclasses.replace(leaf, path=leaf.path if alone else ()))
@@ -215,7 +215,7 @@ def recomputed_attention_flops_per_token(workload: Workload) -> int:
     return forward + workload.attention_recompute_flops_per_token()
 
 
-def matmul_width(leaf: LeafShape) -> float:
+def matmul_width(leaf: Leaf) -> float:
     """The side of the square matrix as large as one layer's slice of `leaf`: the width its matmuls
     are priced at (`ClusterConfig.matmul_rate`)."""
     return math.sqrt(leaf.size // leaf.shape[0] if leaf.stacked else leaf.size)
@@ -228,7 +228,7 @@ def compute_times(workload: Workload, cluster: ClusterConfig) -> Compute:
     # each leaf's at the rate of its width, the attention's at the model's.
     run, dtype = workload.micro_batch_size * workload.seq_len, workload.precision.param_dtype
 
-    def forward_seconds(leaves: list[LeafShape]) -> float:
+    def forward_seconds(leaves: list[Leaf]) -> float:
         return tokens * sum(2 * x.size / cluster.matmul_rate(run, dtype, matmul_width(x)) for x in leaves)
 
     layers = forward_seconds([x for x in workload.leaves if x.stacked])

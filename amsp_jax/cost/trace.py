@@ -21,11 +21,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import traverse_util
 
 from amsp_jax.core.plan import Precision
-from amsp_jax.cost.workload import LeafShape, ModelDims, Workload
-from amsp_jax.layers.stack import Layers, find_layers
+from amsp_jax.cost.workload import Leaf, ModelDims, Workload
+from amsp_jax.layers.discovery import Layers, find_layers
 
 LeafPath = tuple[Any, ...]
 
@@ -36,7 +35,7 @@ class ModelSpec:
     reads its matrices; traced from a Flax model (`trace`) or written out (`models.llama.llama_spec`)."""
 
     name: str
-    leaves: tuple[LeafShape, ...]
+    leaves: tuple[Leaf, ...]
     dims: ModelDims
     prefetchable: bool  # its layers can prefetch (a LayerStack, or a loop of blocks)
     # Muon's `muon_weight_dimension_numbers` for these parameters; None: optax's rule (every 2-D leaf).
@@ -58,26 +57,7 @@ class ModelSpec:
         return Workload(self.leaves, self.dims, seq_len, micro_batch_size, micro_batches, precision, remat)
 
 
-def _leaves(layers: Layers) -> tuple[LeafShape, ...]:
-    flat = traverse_util.flatten_dict(dict(layers.abstract_params))
-    stacks = layers.stacked
-    unused = layers.backward_unused
-
-    def under(path: LeafPath, roots: Any) -> LeafPath | None:
-        return next((r for r in roots if path[: len(r)] == r), None)
-
-    return tuple(
-        LeafShape(
-            path, tuple(x.shape), under(path, stacks) is not None,
-            under(path, (*stacks, *layers.blocks)) is not None, path not in unused,
-            unit=under(path, (*stacks, *layers.blocks)), layer_stack=under(path, layers.stacks) is not None,
-            looked_up=path in layers.looked_up,
-        )
-        for path, x in flat.items()
-    )
-
-
-def infer_dims(layers: Layers, leaves: tuple[LeafShape, ...], vocab: int) -> ModelDims:
+def infer_dims(layers: Layers, leaves: tuple[Leaf, ...], vocab: int) -> ModelDims:
     """Layers, width, heads, MLP width and vocabulary read off the traced model.
 
     Layers: blocks (a scanned block counts its length). Width: the blocks' input width, else the most
@@ -115,7 +95,7 @@ def trace(
     """The `ModelSpec` of a Flax model (linen, or nnx behind `NnxModel`) called on `example_inputs`."""
     key = jax.random.key(0)
     found = find_layers(model, key, example_inputs, layers)
-    leaves = _leaves(found)
+    leaves = found.leaves()
     if dims is None:
         out = jax.eval_shape(
             lambda p: model.apply({"params": p}, *example_inputs), found.abstract_params

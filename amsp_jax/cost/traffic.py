@@ -27,7 +27,7 @@ from amsp_jax.core import schedule
 from amsp_jax.core.mesh import AxisPlan, leaf_layout
 from amsp_jax.core.schedule import PHASES, LeafSchedule, Op
 from amsp_jax.cost.optimizer import update_ops
-from amsp_jax.cost.workload import LeafShape, Workload
+from amsp_jax.cost.workload import Leaf, Workload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,23 +78,22 @@ def transfer(op: Op, workload: Workload) -> Transfer:
     return Transfer(op.phase, op.kind, op.level, size, op.executions, op.group, op.nodes, rounded)
 
 
-def schedule_leaf(axes: AxisPlan, workload: Workload, leaf: LeafShape) -> LeafSchedule:
+def schedule_leaf(axes: AxisPlan, workload: Workload, leaf: Leaf) -> LeafSchedule:
     """The step's ops for one leaf under `workload`'s batching, remat, precision and implementation."""
-    return schedule.leaf_schedule(
-        axes, leaf.path, leaf.shape, leaf.stacked, workload.micro_batches, workload.remat,
-        workload.precision.param_bytes, workload.precision.reduce_bytes, workload.implementation,
-        leaf.per_layer, leaf.regathered, leaf.frozen, not workload.optimizer.communicates_on(leaf.path),
-        leaf.unit, leaf.layer_stack,
+    settings = schedule.StepSettings(
+        workload.micro_batches, workload.remat, workload.precision.param_bytes,
+        workload.precision.reduce_bytes, workload.implementation,
     )  # fmt: skip
+    return schedule.leaf_schedule(axes, leaf, settings, not workload.optimizer.communicates_on(leaf.path))
 
 
-def leaf_ops(axes: AxisPlan, workload: Workload, leaf: LeafShape) -> list[Op]:
+def leaf_ops(axes: AxisPlan, workload: Workload, leaf: Leaf) -> list[Op]:
     """The step's ops for one leaf and the collectives XLA adds to the optimizer's update of it."""
     scheduled = schedule_leaf(axes, workload, leaf)
     return [*scheduled.ops(), *update_ops(axes, leaf.path, scheduled.split, workload.optimizer)]
 
 
-def leaf_transfers(axes: AxisPlan, workload: Workload, leaf: LeafShape) -> list[Transfer]:
+def leaf_transfers(axes: AxisPlan, workload: Workload, leaf: Leaf) -> list[Transfer]:
     """Every collective the step runs for one leaf, with its executions per step."""
     return [transfer(op, workload) for op in leaf_ops(axes, workload, leaf)]
 
@@ -103,8 +102,8 @@ def largest_gather_bytes(axes: AxisPlan, workload: Workload) -> int:
     """The step's largest single gather under `axes`, padding included (`schedule.largest_gather_bytes`:
     what the step gives XLA as its combine threshold)."""
 
-    def stored_layer(leaf: LeafShape) -> int:
-        split = leaf_layout(axes, leaf.shape, leaf.stacked, not workload.optimizer.communicates_on(leaf.path))
+    def stored_layer(leaf: Leaf) -> int:
+        split = leaf_layout(axes, leaf, not workload.optimizer.communicates_on(leaf.path))
         return math.prod(split.padded) // (leaf.shape[0] if leaf.stacked else 1)
 
     return schedule.largest_gather_bytes(

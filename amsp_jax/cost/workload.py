@@ -4,46 +4,13 @@ step's batch, precision, remat and implementation choices (`Workload`)."""
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Iterable
 
+from amsp_jax.core.leaf import Leaf, looped_blocks
 from amsp_jax.core.plan import Precision
 from amsp_jax.core.schedule import Implementation
 from amsp_jax.cost.optimizer import ELEMENT_WISE, OptimizerUpdate
 
 FP32 = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafShape:
-    """One parameter leaf: its path, full shape, and whether it is a layer stack (leading layer axis)."""
-
-    path: tuple[str, ...]
-    shape: tuple[int, ...]
-    stacked: bool
-    per_layer: bool | None = None  # gathered one layer at a time; None: when stacked
-    regathered: bool = True  # gathered again in the backward pass (False: the backward never reads it)
-    frozen: bool = False  # not trained: no gradient, no optimizer state, never refreshed
-    unit: tuple[str, ...] | None = None  # the stack or block a per-layer leaf is gathered with
-    layer_stack: bool = False  # a `LayerStack`'s (its own layer loop; may keep its first layer)
-    looked_up: bool = False  # only indexed (an untied input embedding): the step runs no matmul with it
-
-    @property
-    def size(self) -> int:
-        """Elements of the whole leaf."""
-        return math.prod(self.shape)
-
-    @property
-    def layer_group(self) -> tuple[str, ...] | None:
-        """What the step gathers this leaf with, one layer at a time: its stack or block (alone where
-        none is named); None for a leaf gathered once per step."""
-        per_layer = self.stacked if self.per_layer is None else self.per_layer
-        return (self.unit or self.path) if per_layer else None
-
-
-def looped_blocks(leaves: Iterable[LeafShape]) -> bool:
-    """Whether a model's layers are blocks called one by one (gathered per layer, not stacked)."""
-    return any(leaf.per_layer and not leaf.stacked for leaf in leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +42,7 @@ class ModelDims:
 class Workload:
     """A model's parameter leaves and dimensions, with the step's batch, precision and remat choices."""
 
-    leaves: tuple[LeafShape, ...]
+    leaves: tuple[Leaf, ...]
     dims: ModelDims
     seq_len: int
     micro_batch_size: int
@@ -178,14 +145,14 @@ def llama_workload(
 ) -> Workload:
     """The workload of `amsp_jax.models.llama.Llama(config)` (same leaves as the Flax model)."""
     c = config
-    leaves = [LeafShape(("embed",), (c.vocab_size, c.dim), False, looked_up=not c.tie_embeddings)]
+    leaves = [Leaf(("embed",), (c.vocab_size, c.dim), False, looked_up=not c.tie_embeddings)]
     leaves += [
-        LeafShape(("layers", "layer", name), (c.n_layers, *shape), True, unit=("layers",), layer_stack=True)
+        Leaf(("layers", "layer", name), (c.n_layers, *shape), True, unit=("layers",), layer_stack=True)
         for name, shape in c.layer_shapes().items()
     ]
-    leaves.append(LeafShape(("norm",), (c.dim,), False))
+    leaves.append(Leaf(("norm",), (c.dim,), False))
     if not c.tie_embeddings:
-        leaves.append(LeafShape(("lm_head",), (c.dim, c.vocab_size), False))
+        leaves.append(Leaf(("lm_head",), (c.dim, c.vocab_size), False))
     precision = Precision.named(precision) if isinstance(precision, str) else precision
     return Workload(tuple(leaves), llama_dims(c), seq_len, micro_batch_size, micro_batches, precision, remat)
 

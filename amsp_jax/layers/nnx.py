@@ -1,9 +1,9 @@
 """Flax nnx models in the Trainer: a linen-shaped `init` / `apply` pair around an nnx module.
 
-The Trainer asks its model for `init(key, *inputs)["params"]` (a pure tree of arrays, which it shards)
-and the user's loss calls `apply({"params": params}, *inputs)`. `NnxModel(make)` gives an nnx module
-that pair: `init` builds the module from `make(nnx.Rngs(key))` and returns its `nnx.Param` variables
-as a pure dict; `apply` merges a params tree back into the module's graph and calls it.
+The Trainer asks its model for `init(key, *args, **kwargs)["params"]` (a pure tree of arrays, which it
+shards) and the user's loss calls `apply({"params": params}, *args, **kwargs)`. `NnxModel(make)` gives
+an nnx module that pair: `init` builds the module from `make(nnx.Rngs(key))` and returns its
+`nnx.Param` variables as a pure dict; `apply` merges a params tree back into the module's graph and calls it.
 
 Variables other than `nnx.Param` (RNG streams, batch statistics) are not trained: `apply` rebuilds
 them from `seed` every call, so dropout draws the same masks each step and batch statistics are not
@@ -23,14 +23,11 @@ from typing import Any
 import jax
 from flax import nnx, traverse_util
 
+from amsp_jax.layers.discovery import BlockCall, Example, Found, find_blocks, first_shape
 from amsp_jax.layers.stack import (
-    BlockCall,
-    Found,
     StackOps,
     backward_unused,
     current_context,
-    find_blocks,
-    first_shape,
     gathered_call,
     is_opaque,
     is_pair,
@@ -102,7 +99,7 @@ class NnxModel:
         # parameter initialisers, so only the small non-parameter state is computed.
         self._other_state = jax.jit(lambda: nnx.split(make(nnx.Rngs(seed)), nnx.Param, ...)[2])()
 
-    def init(self, key: jax.Array, *inputs: Any) -> dict[str, Any]:
+    def init(self, key: jax.Array, *inputs: Any, **kwargs: Any) -> dict[str, Any]:
         """`{"params": pure dict of arrays}` of a module built with `key` (the inputs are not needed)."""
         _, params, _ = nnx.split(self.make(nnx.Rngs(key)), nnx.Param, ...)
         return {"params": nnx.to_pure_dict(params)}
@@ -132,11 +129,11 @@ class NnxModel:
         return module(*inputs, **kwargs)
 
     def find_blocks(
-        self, abstract_params: Any, example_inputs: tuple[Any, ...], classes: tuple[type, ...] | None
+        self, abstract_params: Any, example: Example, classes: tuple[type, ...] | None
     ) -> dict[Path, Found]:
-        """The blocks to gather one call at a time (as `amsp_jax.layers.stack.find_blocks`), from one abstract
-        call of the model on `example_inputs`. Candidates: instances of `classes`, else of every
-        module class not from Flax itself."""
+        """The blocks to gather one call at a time (as `amsp_jax.layers.discovery.find_blocks`), from one
+        abstract call of the model made as `example` says. Candidates: instances of `classes`, else of
+        every module class not from Flax itself."""
         calls: list[BlockCall] = []
         recorded = _recorder(calls)
 
@@ -154,7 +151,7 @@ class NnxModel:
                 else node,
                 self.module(params),
             )
-            return module(*example_inputs)
+            return example.call(module)
 
         jax.eval_shape(call, abstract_params)
         stored = {p: tuple(x.shape) for p, x in traverse_util.flatten_dict(abstract_params).items()}

@@ -122,6 +122,17 @@ def layer_context(context: LayerContext) -> Iterator[LayerContext]:
 
 
 @contextlib.contextmanager
+def stack_unused_recorder(into: dict[tuple[str, ...], frozenset]) -> Iterator[None]:
+    """Collect into `into` each `LayerStack`'s layer parameters its backward pass does not read."""
+    token = _STACK_UNUSED.set({})
+    try:
+        yield
+    finally:
+        into.update(_STACK_UNUSED.get() or {})
+        _STACK_UNUSED.reset(token)
+
+
+@contextlib.contextmanager
 def recording_stacks() -> Iterator[list[tuple[str, ...]]]:
     """Collect the parameter paths of the stacked subtrees of every `LayerStack` traced inside."""
     paths: list[tuple[str, ...]] = []
@@ -157,18 +168,7 @@ class LayerStack(nn.Module):
 
             stacked = self.param(STACK_PARAM, init)
         path = (*self.path, STACK_PARAM)
-        recording = _RECORDING.get()
-        if recording is not None and path not in recording:
-            recording.append(path)
-        unused = _STACK_UNUSED.get()
-        if unused is not None and path not in unused:
-
-            def run(weights: Any, inputs: Any) -> Any:
-                with opaque():
-                    return block.apply({"params": weights}, inputs[0], *inputs[1])
-
-            layer = jax.tree.map(lambda leaf: leaf[0], stacked)
-            unused[path] = backward_unused(run, layer, (x, args))
+        _record(path, block, stacked, x, args)
         context = _CONTEXT.get()
         if context is None or path not in context.stacks:
 
@@ -178,61 +178,85 @@ class LayerStack(nn.Module):
             with opaque():
                 return jax.lax.scan(plain, x, stacked)[0]
 
-        ops = context.stacks[path]
-        sinks = context.sinks[path]
-        if path in context.prefetch:
+        return _gathered_scan(block, context, path, x, stacked, args)
+
+
+def _record(path: tuple[str, ...], block: nn.Module, stacked: Any, x: jax.Array, args: tuple) -> None:
+    """Note the stack's path, and the layer parameters its backward does not read, where recorded."""
+    recording = _RECORDING.get()
+    if recording is not None and path not in recording:
+        recording.append(path)
+    unused = _STACK_UNUSED.get()
+    if unused is not None and path not in unused:
+
+        def run(weights: Any, inputs: Any) -> Any:
             with opaque():
-                return prefetched_scan(
-                    lambda h, weights, args: block.apply({"params": weights}, h, *args),
-                    ops.gather,
-                    ops.reduce,
-                    x,
-                    stacked,
-                    sinks,
-                    args,
-                )
+                return block.apply({"params": weights}, inputs[0], *inputs[1])
 
-        def rematted(fn: Callable[..., jax.Array], in_scan: bool = True) -> Callable[..., jax.Array]:
-            # No CSE barrier in the scan: its loops already keep the backward's re-gather and
-            # recomputation apart from the forward's (JAX's documented case for prevent_cse=False), and
-            # the barrier kept XLA's collective pipeliner from moving the re-gather into the previous
-            # iteration, so it ran synchronous (LLaMA-7B zero3 at 1,024 A100s: 32 % of per-layer bytes
-            # with compute between start and done with it, 92 % without). Outside a scan it stays.
-            if not context.remat:
-                return fn
-            return jax.checkpoint(fn, policy=context.remat_policy, prevent_cse=not in_scan)
+        layer = jax.tree.map(lambda leaf: leaf[0], stacked)
+        unused[path] = backward_unused(run, layer, (x, args))
 
-        def apply_layer(carry: jax.Array, layer_params: Any, layer_sink: Any) -> jax.Array:
-            return block.apply({"params": ops.gather_with_sink(layer_params, layer_sink)}, carry, *args)
 
-        layer = rematted(apply_layer)
-
-        def body(carry: jax.Array, xs: tuple[Any, Any]) -> tuple[jax.Array, None]:
-            return layer(carry, *xs), None
-
-        if path not in context.first:
-            with opaque():
-                return jax.lax.scan(body, x, (stacked, sinks))[0]
-
-        # The first layer runs on weights gathered once per step; the loop runs the others, so it starts
-        # and ends beside this layer's compute instead of with a gather and a reduce-scatter nothing can
-        # hide. The loop indexes the whole stack (its slice would be a copy of the P blocks).
-        @functools.partial(rematted, in_scan=False)
-        def first_layer(carry: jax.Array, weights: Any) -> jax.Array:
-            return block.apply({"params": weights}, carry, *args)
-
-        @rematted
-        def indexed_layer(carry: jax.Array, stacked: Any, index: jax.Array, layer_sink: Any) -> jax.Array:
-            return apply_layer(carry, _layer(stacked, index), layer_sink)
-
-        def rest(carry: jax.Array, xs: tuple[jax.Array, Any]) -> tuple[jax.Array, None]:
-            return indexed_layer(carry, stacked, *xs), None
-
-        length = jax.tree.leaves(stacked)[0].shape[0]
+def _gathered_scan(
+    block: nn.Module, context: LayerContext, path: tuple[str, ...], x: jax.Array, stacked: Any, args: tuple
+) -> jax.Array:
+    """The stack's layers inside a step: each layer's P shards gathered in the scan body (or the
+    explicit-prefetch loop), its gradient routed into the G sinks, under the plan's remat."""
+    ops = context.stacks[path]
+    sinks = context.sinks[path]
+    if path in context.prefetch:
         with opaque():
-            x = first_layer(x, context.first[path])
-            later = (jnp.arange(1, length), jax.tree.map(lambda sink: sink[1:], sinks))
-            return jax.lax.scan(rest, x, later)[0]
+            return prefetched_scan(
+                lambda h, weights, args: block.apply({"params": weights}, h, *args),
+                ops.gather,
+                ops.reduce,
+                x,
+                stacked,
+                sinks,
+                args,
+            )
+
+    def rematted(fn: Callable[..., jax.Array], in_scan: bool = True) -> Callable[..., jax.Array]:
+        # No CSE barrier in the scan: its loops already keep the backward's re-gather and
+        # recomputation apart from the forward's (JAX's documented case for prevent_cse=False), and
+        # the barrier kept XLA's collective pipeliner from moving the re-gather into the previous
+        # iteration, so it ran synchronous (LLaMA-7B zero3 at 1,024 A100s: 32 % of per-layer bytes
+        # with compute between start and done with it, 92 % without). Outside a scan it stays.
+        if not context.remat:
+            return fn
+        return jax.checkpoint(fn, policy=context.remat_policy, prevent_cse=not in_scan)
+
+    def apply_layer(carry: jax.Array, layer_params: Any, layer_sink: Any) -> jax.Array:
+        return block.apply({"params": ops.gather_with_sink(layer_params, layer_sink)}, carry, *args)
+
+    layer = rematted(apply_layer)
+
+    def body(carry: jax.Array, xs: tuple[Any, Any]) -> tuple[jax.Array, None]:
+        return layer(carry, *xs), None
+
+    if path not in context.first:
+        with opaque():
+            return jax.lax.scan(body, x, (stacked, sinks))[0]
+
+    # The first layer runs on weights gathered once per step; the loop runs the others, so it starts
+    # and ends beside this layer's compute instead of with a gather and a reduce-scatter nothing can
+    # hide. The loop indexes the whole stack (its slice would be a copy of the P blocks).
+    @functools.partial(rematted, in_scan=False)
+    def first_layer(carry: jax.Array, weights: Any) -> jax.Array:
+        return block.apply({"params": weights}, carry, *args)
+
+    @rematted
+    def indexed_layer(carry: jax.Array, stacked: Any, index: jax.Array, layer_sink: Any) -> jax.Array:
+        return apply_layer(carry, _layer(stacked, index), layer_sink)
+
+    def rest(carry: jax.Array, xs: tuple[jax.Array, Any]) -> tuple[jax.Array, None]:
+        return indexed_layer(carry, stacked, *xs), None
+
+    length = jax.tree.leaves(stacked)[0].shape[0]
+    with opaque():
+        x = first_layer(x, context.first[path])
+        later = (jnp.arange(1, length), jax.tree.map(lambda sink: sink[1:], sinks))
+        return jax.lax.scan(rest, x, later)[0]
 
 
 def _layer(tree: Any, index: jax.Array) -> Any:
@@ -394,24 +418,6 @@ def linen_blocks() -> Iterator[None]:
         yield
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockCall:
-    """One call of a module seen while tracing `init`: its path, class and per-call parameter shapes,
-    the parameters its backward pass does not read (see `backward_unused`), its first input's shape."""
-
-    path: Path
-    cls: type
-    shapes: dict[Path, tuple[int, ...]]
-    backward_unused: frozenset[Path] = frozenset()
-    input_shape: tuple[int, ...] | None = None
-
-
-def first_shape(inputs: Any) -> tuple[int, ...] | None:
-    """The shape of the first array among `inputs` (a block's activation), if any."""
-    arrays = [x for x in jax.tree.leaves(inputs) if hasattr(x, "shape")]
-    return tuple(arrays[0].shape) if arrays else None
-
-
 def _live_inputs(jaxpr: jax_core.Jaxpr) -> list[bool]:
     """Which inputs of `jaxpr` its outputs depend on (an equation with effects counts as an output;
     one with a sub-program reads all its inputs)."""
@@ -450,206 +456,6 @@ def backward_unused(run: Callable[[Any, Any], Any], weights: Any, inputs: Any) -
     return frozenset(p for p, used in zip(paths, live, strict=False) if not used)
 
 
-_LOOKUPS = frozenset({"gather", "dynamic_slice"})
-_PASS_THROUGH = frozenset({"convert_element_type", "copy", "copy_p", "reshape", "squeeze", "expand_dims"})
-
-
-def _dependents(jaxpr: jax_core.Jaxpr, seeds: set[Any]) -> set[Any]:
-    """The variables of `jaxpr` computed from `seeds` (the model's inputs)."""
-    found = set(seeds)
-    for eqn in jaxpr.eqns:
-        if any(isinstance(v, jax_core.Var) and v in found for v in eqn.invars):
-            found.update(eqn.outvars)
-    return found
-
-
-def _inner(eqn: Any) -> jax_core.Jaxpr | None:
-    """The sub-program of a call (jit, custom_vjp, checkpoint) whose inputs line up with the call's."""
-    for key in ("jaxpr", "call_jaxpr"):
-        sub = eqn.params.get(key)
-        sub = getattr(sub, "jaxpr", sub)
-        if isinstance(sub, jax_core.Jaxpr) and len(sub.invars) == len(eqn.invars):
-            return sub
-    return None
-
-
-def _uses(jaxpr: jax_core.Jaxpr, var: Any, data: set[Any]) -> set[str]:
-    """How `var` is consumed in `jaxpr`: "lookup" where a gather or slice picks rows of it at positions
-    computed from the model's inputs (`data`: the variables that are), "other" for anything else;
-    followed through casts, reshapes and the sub-programs of calls."""
-    data = _dependents(jaxpr, data)
-    found: set[str] = set()
-    for eqn in jaxpr.eqns:
-        positions = [i for i, v in enumerate(eqn.invars) if v is var]
-        if not positions:
-            continue
-        inner = _inner(eqn)
-        by_data = any(isinstance(v, jax_core.Var) and v in data for v in eqn.invars[1:])
-        if eqn.primitive.name in _LOOKUPS and positions == [0] and by_data:
-            found.add("lookup")
-        elif eqn.primitive.name in _PASS_THROUGH:
-            for out in eqn.outvars:
-                found |= _uses(jaxpr, out, data)
-        elif inner is not None:
-            pairs = zip(eqn.invars, inner.invars, strict=True)
-            inner_data = {w for v, w in pairs if isinstance(v, jax_core.Var) and v in data}
-            for i in positions:
-                found |= _uses(inner, inner.invars[i], inner_data)
-        else:
-            found.add("other")
-    return found
-
-
-def looked_up_leaves(model: Any, abstract_params: Any, example_inputs: tuple[Any, ...]) -> frozenset[Path]:
-    """Paths of the parameters the forward pass only looks up (an untied input embedding): rows picked
-    at the inputs' positions, never multiplied, so their FLOPs are not a matmul's. A weight indexed at
-    fixed positions (a layer of a stack picked in a loop) is not one. Read off the forward program
-    (abstract shapes only)."""
-    arrays, rebuild = _split_static(example_inputs)
-    try:
-        closed = jax.make_jaxpr(lambda p, a: model.apply({"params": p}, *rebuild(a)))(abstract_params, arrays)
-    except Exception:  # a forward that needs what an abstract trace lacks (an RNG stream): none
-        return frozenset()
-    paths = list(_shapes(abstract_params))  # in flattening order, as the program's inputs
-    invars = closed.jaxpr.invars
-    data = set(invars[len(paths) :])
-    return frozenset(
-        path for path, var in zip(paths, invars, strict=False) if _uses(closed.jaxpr, var, data) == {"lookup"}
-    )
-
-
 def _shapes(tree: Any) -> dict[Path, tuple[int, ...]]:
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {tuple(str(getattr(k, "key", k)) for k in keys): tuple(np.shape(v)) for keys, v in flat}
-
-
-@contextlib.contextmanager
-def recording_calls(stack_unused: dict[Path, frozenset] | None = None) -> Iterator[list[BlockCall]]:
-    """Collect every linen module call traced inside (for `find_blocks`), and into `stack_unused` each
-    LayerStack's layer parameters that its backward pass does not read."""
-    calls: list[BlockCall] = []
-    stack_unused = {} if stack_unused is None else stack_unused
-
-    def record(next_fun: Callable[..., Any], args: Any, kwargs: Any, info: Any) -> Any:
-        out = next_fun(*args, **kwargs)
-        module = info.module
-        if (
-            not _OPAQUE.get()
-            and info.method_name == "__call__"
-            and module.path
-            and not _is_lifted(type(module))
-            and not isinstance(module, LayerStack)
-        ):
-            params = module.variables.get("params", {})
-            template = module.clone(parent=None)
-
-            def run(weights: Any, inputs: Any, template: nn.Module = template) -> Any:
-                with opaque():
-                    return template.apply({"params": weights}, *inputs[0], **inputs[1])
-
-            unused = backward_unused(run, params, (args, kwargs)) if params else frozenset()
-            shape = first_shape(args)
-            calls.append(BlockCall(tuple(module.path), type(module), _shapes(params), unused, shape))
-        return out
-
-    token = _STACK_UNUSED.set({})
-    try:
-        with nn.intercept_methods(record):
-            yield calls
-    finally:
-        stack_unused.update(_STACK_UNUSED.get() or {})
-        _STACK_UNUSED.reset(token)
-
-
-@dataclasses.dataclass(frozen=True)
-class Found:
-    """A block to gather one call at a time."""
-
-    stacked: bool  # its parameters carry a leading layer dimension (run by a scan)
-    backward_unused: frozenset[Path] = frozenset()  # relative paths the backward does not read
-    input_shape: tuple[int, ...] | None = None  # of its first input (the activation), at one call
-
-
-def find_blocks(
-    calls: list[BlockCall],
-    stored: dict[Path, tuple[int, ...]],
-    classes: tuple[type, ...] | None = None,
-    exclude: tuple[Path, ...] = (),
-) -> dict[Path, Found]:
-    """The blocks to gather one at a time, by module path.
-
-    `stored` maps every parameter path to its shape. With `classes`, every outermost call of those
-    classes is a block; otherwise a block is an outermost module either run by a scan (its stored
-    parameters carry a layer dimension its calls do not see) or one of several sibling instances of
-    one class with equal parameter shapes (a loop or list of blocks). `exclude`: paths handled
-    otherwise (LayerStack stacks).
-    """
-
-    def stored_under(path: Path) -> dict[Path, tuple[int, ...]]:
-        return {p[len(path) :]: s for p, s in stored.items() if p[: len(path)] == path}
-
-    def stacked(call: BlockCall) -> bool:
-        full = stored_under(call.path)
-        return bool(call.shapes) and full.keys() == call.shapes.keys() and all(
-            len(full[k]) == len(s) + 1 and full[k][1:] == s for k, s in call.shapes.items()
-        ) and len({full[k][0] for k in full}) == 1
-
-    found: dict[Path, Found] = {}
-    siblings: dict[tuple[Path, type, tuple[Any, ...]], dict[Path, Found]] = {}
-    for call in calls:
-        if not call.shapes or any(call.path[: len(e)] == e for e in exclude) or call.path in found:
-            continue
-        block = Found(stacked(call), call.backward_unused, call.input_shape)
-        if classes is not None:
-            if call.cls in classes:
-                found[call.path] = block
-        elif block.stacked:
-            found[call.path] = block
-        else:
-            key = (call.path[:-1], call.cls, tuple(sorted(call.shapes.items())))
-            siblings.setdefault(key, {}).setdefault(call.path, block)  # first call, in call order
-    for blocks in siblings.values():
-        if len(blocks) > 1:
-            found.update(blocks)
-    return {p: b for p, b in found.items() if not any(p[: len(q)] == q and q != p for q in found)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Layers:
-    """A model's parameter shapes and how its layers are gathered: `LayerStack` stacks and blocks."""
-
-    abstract_params: Any
-    stacks: tuple[Path, ...]
-    blocks: dict[Path, Found]
-    stack_unused: dict[Path, frozenset] = dataclasses.field(default_factory=dict)  # per LayerStack
-    looked_up: frozenset[Path] = frozenset()  # leaves the forward only indexes (`looked_up_leaves`)
-
-    @property
-    def stacked(self) -> tuple[Path, ...]:
-        """Subtrees whose leaves carry a layer dimension: LayerStacks and blocks run by a scan."""
-        return (*self.stacks, *(path for path, block in self.blocks.items() if block.stacked))
-
-    @property
-    def backward_unused(self) -> frozenset[Path]:
-        """Every leaf (full path) of a layer whose backward pass does not read it: not re-gathered."""
-        relative = [(p, b.backward_unused) for p, b in self.blocks.items()] + list(self.stack_unused.items())
-        return frozenset((*p, *leaf) for p, leaves in relative for leaf in leaves)
-
-
-def find_layers(
-    model: Any, key: jax.Array, example_inputs: tuple[Any, ...], classes: tuple[type, ...] | None = None
-) -> Layers:
-    """Trace `model.init` once (shapes only) and find its layers: `LayerStack`s and blocks.
-
-    A model with its own `find_blocks(abstract_params, example_inputs, classes)` (an nnx model behind
-    `amsp_jax.layers.nnx.NnxModel`) finds its blocks itself; for linen, `find_blocks` reads the traced calls.
-    """
-    own = getattr(model, "find_blocks", None)
-    unused: dict[Path, frozenset] = {}
-    with recording_stacks() as stacks, recording_calls(unused) as calls:
-        abstract = jax.eval_shape(lambda k: model.init(k, *example_inputs)["params"], key)
-    looked_up = looked_up_leaves(model, abstract, example_inputs)
-    if own is not None:
-        return Layers(abstract, tuple(stacks), own(abstract, example_inputs, classes), unused, looked_up)
-    blocks = find_blocks(calls, _shapes(abstract), classes, exclude=tuple(stacks))
-    return Layers(abstract, tuple(stacks), blocks, unused, looked_up)

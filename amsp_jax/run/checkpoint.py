@@ -60,9 +60,7 @@ class Restored:
 
 def param_shapes(trainer: Trainer) -> dict[str, list[int]]:
     """Every parameter leaf's shape keyed by its '/'-joined path (what a restore must match)."""
-    if trainer.params_layout is None:
-        raise CheckpointError("the trainer has no parameters yet; call trainer.setup() or init() first")
-    return {"/".join(map(str, p)): list(leaf.shape) for p, leaf in trainer.params_layout.leaves.items()}
+    return {"/".join(map(str, p)): list(leaf.shape) for p, leaf in trainer.program.params.leaves.items()}
 
 
 def optimizer_structure(trainer: Trainer) -> str:

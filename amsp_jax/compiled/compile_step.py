@@ -1,0 +1,98 @@
+"""Compiling a step program's `train_step` with the XLA options its plan calls for: the combine
+threshold of its largest gather, the scheduler's memory budget and, on GPU, the overlap flags."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from amsp_jax.compiled import gpu_target
+from amsp_jax.compiled.xla import compile_scheduled, compiler_options, scheduler_slop_factor
+from amsp_jax.core.schedule import largest_gather_bytes
+from amsp_jax.errors import one_line
+from amsp_jax.step.batch import batch_shardings, check_batch
+from amsp_jax.step.functions import train_step
+from amsp_jax.step.program import StepProgram, TrainerError
+from amsp_jax.step.state import state_shardings
+
+
+def lower(program: StepProgram, state: Any, batch: Any) -> jax.stages.Lowered:
+    """The lowered (not yet compiled) step for this state and batch structure (shapes suffice)."""
+    check_batch(program.plan, batch)
+    shardings = state_shardings(program)
+    replicated = NamedSharding(program.layout.mesh, P())
+    step = jax.jit(
+        functools.partial(train_step, program),
+        in_shardings=(shardings, batch_shardings(program.layout, batch)),
+        out_shardings=(shardings, replicated),
+        donate_argnums=0,
+    )
+    return step.lower(state, batch)
+
+
+def cache_key(batch: Any) -> tuple[str, tuple[Any, ...]]:
+    """What a compiled step depends on beyond its program: the batch's structure, shapes and dtypes."""
+    shapes = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), batch)
+    return str(jax.tree.structure(batch)), tuple(jax.tree.leaves(shapes))
+
+
+def compile_step(program: StepProgram, state: Any, batch: Any) -> jax.stages.Compiled:
+    """The compiled step for this state and batch structure, with the plan's XLA options."""
+    layout = program.layout
+    options = compiler_options(
+        layout.platform, gather_bytes(program), _slop_factor(program, state, batch), layout.mesh.size
+    )
+    try:
+        lowered = lower(program, state, batch)
+    except TypeError as error:
+        # jax.grad's message for a loss of any shape but (): say what the loss function must return.
+        if "scalar-output" not in str(error):
+            raise
+        raise TrainerError(
+            f"loss_fn must return a scalar, the mean loss of the micro-batch ({one_line(error)}); reduce "
+            "it, e.g. with jnp.mean"
+        ) from None
+    if layout.mesh.devices.flat[0] in jax.devices():
+        return compile_scheduled(lowered, options, layout)
+    # Compiled for a topology this process has no client for (a GPU target on a CPU machine): JAX's
+    # persistent cache would store it but cannot load it back ("PjRtCompiler must be constructed with
+    # a Client"), so no compile time is long enough to store it.
+    least = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+    try:
+        return compile_scheduled(lowered, options, layout)
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", least)
+
+
+def _slop_factor(program: StepProgram, state: Any, batch: Any) -> int | None:
+    """XLA's scheduler budget for the plan's `memory_limit` (`xla.scheduler_slop_factor`); None without a
+    limit, or on a device whose memory no shipped GPU target describes."""
+    devices = program.layout.mesh.devices.flat
+    device_memory = gpu_target.device_memory(devices[0].device_kind)
+    if program.plan.memory_limit is None or device_memory is None:
+        return None
+    shardings = state_shardings(program)
+    io_bytes = sum(
+        math.prod(sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+        for x, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(shardings), strict=True)
+    )
+    io_bytes += sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(batch)) // len(devices)
+    return scheduler_slop_factor(program.plan.memory_limit, device_memory, io_bytes)
+
+
+def gather_bytes(program: StepProgram) -> int:
+    """Bytes of the largest single gather: one layer of a stack or block, or all the other leaves."""
+    return largest_gather_bytes(
+        (
+            (split.leaf.unit, math.prod(split.padded) // split.leaf.layers)
+            for split in program.params.leaves.values()
+        ),
+        program.plan.precision.param_bytes,
+    )
