@@ -15,7 +15,7 @@ from amsp_jax.core.mesh import plan_axes, shard_dims
 from amsp_jax.core.plan import REMAT_POLICIES
 from amsp_jax.core.schedule import Op, accumulates, params_from_master
 from amsp_jax.core.space import Cluster, Placement, Strategy
-from amsp_jax.cost import LeafShape, Workload, largest_gather_bytes, leaf_ops, memory, timing
+from amsp_jax.cost import Leaf, Workload, largest_gather_bytes, leaf_ops, memory, timing
 from amsp_jax.cost.hardware import ClusterConfig
 from amsp_jax.planner.request import Request
 
@@ -202,7 +202,7 @@ class _Profiles:
     holder: dict[Key, Placement]  # (x, π): the smallest group containing x that splits exactly π
 
 
-def _profiles(qs: list[Placement], leaves: list[tuple[LeafShape, int]]) -> _Profiles:
+def _profiles(qs: list[Placement], leaves: list[tuple[Leaf, int]]) -> _Profiles:
     def profile_set(q: Placement) -> frozenset[int]:
         # Degree 1 counts as splitting every leaf (a whole leaf is its own block), so that profiles
         # shrink as groups grow; larger groups split (or pad) every leaf with a dimension.
@@ -227,7 +227,7 @@ class _Probes:
     """Per-leaf ops of probe strategies Strategy(x, x, o), grouped by overlap window, priced on demand:
     a leaf the profile splits takes the probe's ops, another leaf DDP's."""
 
-    def __init__(self, request: Request, leaves: list[tuple[LeafShape, int]], profiles: _Profiles):
+    def __init__(self, request: Request, leaves: list[tuple[Leaf, int]], profiles: _Profiles):
         self.cluster, self.hardware = request.cluster.cluster(), request.cluster
         self.base, self.leaves, self.profiles = request.workload(), leaves, profiles.profiles
         self.per_leaf: dict[tuple[Placement, Placement], list[dict[str, list[tuple[int, Op]]]]] = {}
