@@ -18,7 +18,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "amsp_jax"
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "core": {"errors"},
-    "layers": {"errors"},
+    "layers": {"errors", "core"},
     "cost": {"errors", "core", "layers"},
     "planner": {"errors", "core", "cost"},
     "models": {"errors", "core", "layers", "cost"},
