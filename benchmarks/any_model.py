@@ -22,7 +22,7 @@ if "jax" not in sys.modules:
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.test_any_model import compiled_memory  # noqa: E402
+from benchmarks.gpt_styles import compiled_memory  # noqa: E402
 
 ROWS = [
     ("LayerStack", "stack", None),

@@ -1,5 +1,5 @@
-"""Test set-up: 8 simulated CPU devices and quick code generation, set before JAX is imported anywhere;
-one compilation cache.
+"""Test set-up of `tests/` and `benchmarks/tests/`: 8 simulated CPU devices and quick code generation,
+set before JAX is imported anywhere; one compilation cache.
 
 The cache: the xdist workers compile many of the same programs (a plan's step for its numerics test
 and its audit, the single-device references several modules share), and so do the processes tests
