@@ -1,6 +1,7 @@
 """The time model and the cluster configs it reads."""
 
 import dataclasses
+import functools
 import math
 from collections import Counter
 from pathlib import Path
@@ -259,11 +260,12 @@ def test_a_small_block_passes_at_its_measured_speed():
             from_dict(values)
 
 
+@functools.cache
 def _demo_step(
     strategy: str, micro_batches: int = 1, hierarchical: bool = False
 ) -> tuple[aj.Trainer, dict, str, LlamaConfig]:
     """The `make demo` model's step under `strategy` with one sequence per device and micro-batch: its
-    trainer, batch, compiled program text and model config."""
+    trainer, batch, compiled program text and model config; cached, as three tests share programs."""
     config = LlamaConfig.from_yaml("configs/models/small.yaml")
     plan = aj.Plan(CLUSTER, aj.resolve(strategy, CLUSTER) if "=" not in strategy else strategy,
                    micro_batches, precision="mixed", remat="full", hierarchical=hierarchical)  # fmt: skip
