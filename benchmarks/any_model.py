@@ -1,7 +1,7 @@
 """Compiled zero3 memory per device of one GPT written five ways, against whole-tree gathering.
 
 The model (8 blocks of width 128: linen `MultiHeadDotProductAttention`, `LayerNorm`, learned positions,
-biases) is the test suite's `tests/model_zoo.py`; each style's step is compiled for 2 nodes x 4
+biases) is `benchmarks/gpt_styles.py`, as in the test suite; each style's step is compiled for 2 nodes x 4
 simulated CPU devices, fp32, batch 8 of 8 tokens, and XLA's `memory_analysis()` read (arguments +
 outputs - aliased + temporaries). Writes benchmarks/results/any_model.md and .json.
 
