@@ -1,4 +1,5 @@
 # The two set-up commands of the README: each makes .venv when missing, installs the project, and runs.
+# `make test`: lint (ruff), type-check the core (mypy, configured in pyproject.toml), then the tests.
 # Tests run in two worker processes (pytest-xdist), an idle one taking tests queued for the other.
 PYTHON ?= python3
 VENV := .venv
@@ -14,6 +15,7 @@ $(STAMP): pyproject.toml
 .PHONY: test demo
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -n 2 --dist worksteal --durations=20
 
 demo: $(STAMP)

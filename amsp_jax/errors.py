@@ -35,9 +35,9 @@ def one_line(error: BaseException) -> str:
     """The error's message on one line (YAML parser messages span several)."""
     if isinstance(error, OSError) and error.filename is not None and error.strerror:
         return f"{error.filename}: {error.strerror}"
-    mark = getattr(error, "problem_mark", None)
-    if getattr(error, "problem", None) and mark is not None:  # a YAML syntax error
-        return f"{error.problem} at line {mark.line + 1}, column {mark.column + 1}"
+    problem, mark = getattr(error, "problem", None), getattr(error, "problem_mark", None)
+    if problem and mark is not None:  # a YAML syntax error
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
     text = " ".join(part.strip() for part in str(error).splitlines() if part.strip())
     return text or type(error).__name__
 

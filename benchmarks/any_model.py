@@ -1,7 +1,7 @@
 """Compiled zero3 memory per device of one GPT written five ways, against whole-tree gathering.
 
 The model (8 blocks of width 128: linen `MultiHeadDotProductAttention`, `LayerNorm`, learned positions,
-biases) is the test suite's `tests/model_zoo.py`; each style's step is compiled for 2 nodes x 4
+biases) is `benchmarks/gpt_styles.py`, as in the test suite; each style's step is compiled for 2 nodes x 4
 simulated CPU devices, fp32, batch 8 of 8 tokens, and XLA's `memory_analysis()` read (arguments +
 outputs - aliased + temporaries). Writes benchmarks/results/any_model_<hardware>_<date>.md and .json.
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import results_file  # noqa: E402
-from tests.test_any_model import compiled_memory  # noqa: E402
+from benchmarks.gpt_styles import compiled_memory  # noqa: E402
 
 ROWS = [
     ("LayerStack", "stack", None),

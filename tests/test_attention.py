@@ -166,11 +166,10 @@ def test_compiled_cpu_step_with_blockwise_attention_needs_far_less_memory(tmp_pa
 def test_audit_command_takes_the_attention(tmp_path):
     from amsp_jax.cli import main
 
-    hlo = {}
-    for kind in ("xla", "blockwise"):
-        hlo[kind] = tmp_path / f"{kind}.hlo"
-        args = ["audit", "--model", "tiny", "--nodes", "2", "--devices-per-node", "4", "--seq-len", "64",
-                "--attention", kind, "--json", "--dump-hlo", str(hlo[kind])]  # fmt: skip
-        assert main(args) in (0, 1)
-    assert "64,64]" in hlo["xla"].read_text() and attention.SCOPE not in hlo["xla"].read_text()
-    assert attention.SCOPE in hlo["blockwise"].read_text()
+    # The tiny model's own attention (auto) runs blockwise on the CPU, so the materialised scores and no
+    # blockwise scope show that the flag reached the model; the blockwise program is the test above's.
+    hlo = tmp_path / "xla.hlo"
+    args = ["audit", "--model", "tiny", "--nodes", "2", "--devices-per-node", "4", "--seq-len", "64",
+            "--attention", "xla", "--json", "--dump-hlo", str(hlo)]  # fmt: skip
+    assert main(args) in (0, 1)
+    assert "64,64]" in hlo.read_text() and attention.SCOPE not in hlo.read_text()

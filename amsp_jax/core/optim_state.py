@@ -49,9 +49,9 @@ def param_of(key_path: tuple[Any, ...], params: Mapping[Path, Any]) -> Path | No
             start = end - length
             if start < 0:
                 continue
-            run = keys[start:end]
-            if None not in run and tuple(run) in params:
-                return tuple(run)
+            run = tuple(k for k in keys[start:end] if k is not None)
+            if len(run) == length and run in params:
+                return run
     return None
 
 

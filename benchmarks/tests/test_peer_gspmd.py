@@ -14,7 +14,15 @@ from jax.sharding import PartitionSpec as P
 from amsp_jax.compiled import audit
 from amsp_jax.models.llama import Llama, make_loss_fn
 from benchmarks.peer_gspmd import CLAIM_PAIRS, build_gspmd_step, claim_violations, make_mesh, measure_peer
-from tests.helpers import CLUSTER, TINY, max_relative_error, optimizer, reference, train_data, trained
+from benchmarks.tests.support import (
+    CLUSTER,
+    TINY,
+    amsp_step,
+    max_relative_error,
+    optimizer,
+    reference,
+    train_data,
+)
 
 MICRO_BATCHES = 3  # the global batch of 24 over 8 devices: also what the audit tests compile for amsp_jax
 ALL = ("inter", "intra")
@@ -97,8 +105,8 @@ def test_fsdp_gathers_every_layer_forward_and_again_under_remat():
 def test_amsp_moves_no_more_bytes_than_the_peer(amsp_name, peer_name):
     # Compiled programs only. In fp32 and in mixed precision alike the CPU backend puts fp32 on the
     # wire, so these byte counts are those of the mixed-precision programs the benchmark compares.
-    trainer, state, _ = trained(amsp_name.removeprefix("amsp-"), MICRO_BATCHES)
-    ours = audit.measure(trainer.compile(state, trainer.shard_batch(train_data()[0])), trainer.layout)
+    trainer, compiled = amsp_step(amsp_name.removeprefix("amsp-"), MICRO_BATCHES)
+    ours = audit.measure(compiled, trainer.layout)
     theirs = measure_peer(peer(peer_name.removeprefix("gspmd-"))[1], CLUSTER)
     assert claim_violations(ours.bytes_by_level(), theirs.bytes_by_level()) == []
     # Each preset's hierarchical collectives cross nodes with 1/4 (reduce-scatter, all-gather: 1/8 of

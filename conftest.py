@@ -1,5 +1,5 @@
-"""Test set-up: 8 simulated CPU devices and quick code generation, set before JAX is imported anywhere;
-one compilation cache.
+"""Test set-up of `tests/` and `benchmarks/tests/`: 8 simulated CPU devices and quick code generation,
+set before JAX is imported anywhere; one compilation cache.
 
 The cache: the xdist workers compile many of the same programs (a plan's step for its numerics test
 and its audit, the single-device references several modules share), and so do the processes tests
@@ -31,3 +31,15 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+# Tests that compile the same plans' steps: tests/helpers.py caches a plan's trainer and its compiled
+# step per process, so these files run first, together, where xdist's worksteal gives one worker its
+# contiguous first share of the tests (a plan's audit then reuses the step its numerics test compiled).
+SHARED_PROGRAMS = ("tests/test_audit.py", "tests/test_step.py")
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """Move the tests of `SHARED_PROGRAMS` to the front, keeping every other order."""
+    first = [item for item in items if item.nodeid.split("::")[0] in SHARED_PROGRAMS]
+    rest = [item for item in items if item.nodeid.split("::")[0] not in SHARED_PROGRAMS]
+    items[:] = first + rest
