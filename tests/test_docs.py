@@ -191,3 +191,24 @@ def test_commands_are_found(tmp_path):
         )
         assert result.returncode == 0, result.stderr
     assert result.stdout == "ok\n"
+
+
+def test_every_name_the_docs_give_exists():
+    """`amsp_jax.x.y` in the prose names a module or an attribute of one (dotted names the docs teach)."""
+    import importlib
+
+    missing = []
+    for path in DOCS:
+        for name in sorted(set(re.findall(r"\bamsp_jax(?:\.[A-Za-z_]\w*)+", path.read_text()))):
+            parts = name.split(".")
+            for split in range(len(parts), 0, -1):
+                try:
+                    obj = importlib.import_module(".".join(parts[:split]))
+                except ImportError:
+                    continue
+                for attribute in parts[split:]:
+                    obj = getattr(obj, attribute, None)
+                break
+            if obj is None:
+                missing.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not missing, missing

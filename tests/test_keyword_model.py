@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import amsp_jax as aj
+from amsp_jax.compiled.audit import audit_trainer
 from amsp_jax.layers.nnx import NnxModel
 from amsp_jax.models.llama import cross_entropy
 from amsp_jax.trainer import TrainerError
@@ -170,3 +171,12 @@ def test_an_example_that_does_not_fit_the_model_says_so(data):
         TrainerError, match=r"cannot be called with the example inputs \(int32\[16, 8\]\): .*keyword-only"
     ):
         trainer.setup(jax.random.key(0), data[0]["inputs"])
+
+
+def test_the_audit_of_a_keyword_model_counts_its_compiled_collectives(data):
+    """The audit infers the model's dimensions by calling it as the trainer does (keywords included)."""
+    trainer = trainer_for("zero3", 1, NnxModel(Decoder))
+    tokens, keywords = example(data[0])
+    trainer.setup(jax.random.key(0), tokens, **keywords)
+    report = audit_trainer(trainer, data[0])
+    assert report.bytes_match, report.table()

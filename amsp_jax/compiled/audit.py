@@ -375,7 +375,7 @@ def audit_trainer(
     """
     program = trainer.program
     if dims is None:
-        dims = trace(program.model, program.example.args, program.classes).dims
+        dims = trace(program.model, program.example, program.classes).dims
     abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     compiled = trainer.compile(trainer.abstract_state(), abstract_batch)
     if dump_hlo:

@@ -24,7 +24,7 @@ import numpy as np
 
 from amsp_jax.core.plan import Precision
 from amsp_jax.cost.workload import Leaf, ModelDims, Workload
-from amsp_jax.layers.discovery import Layers, find_layers
+from amsp_jax.layers.discovery import Example, Layers, as_example, find_layers
 
 LeafPath = tuple[Any, ...]
 
@@ -87,18 +87,20 @@ def infer_dims(layers: Layers, leaves: tuple[Leaf, ...], vocab: int) -> ModelDim
 
 def trace(
     model: Any,
-    example_inputs: tuple[Any, ...],
+    example_inputs: Example | tuple[Any, ...],
     layers: tuple[type, ...] | None = None,
     dims: ModelDims | None = None,
     name: str | None = None,
 ) -> ModelSpec:
-    """The `ModelSpec` of a Flax model (linen, or nnx behind `NnxModel`) called on `example_inputs`."""
+    """The `ModelSpec` of a Flax model (linen, or nnx behind `NnxModel`) called on `example_inputs`
+    (positional inputs, or an `Example` with keyword inputs too)."""
     key = jax.random.key(0)
-    found = find_layers(model, key, example_inputs, layers)
+    example = as_example(example_inputs)
+    found = find_layers(model, key, example, layers)
     leaves = found.leaves()
     if dims is None:
         out = jax.eval_shape(
-            lambda p: model.apply({"params": p}, *example_inputs), found.abstract_params
+            lambda p: example.call(model.apply, {"params": p}), found.abstract_params
         )
         vocab = int(np.shape(jax.tree.leaves(out)[0])[-1])
         dims = infer_dims(found, leaves, vocab)
