@@ -325,14 +325,14 @@ def leaf_schedule(
     )
     if split.dim is None:
         # A leaf with nothing to split (a scalar) stays whole everywhere: only its gradient is summed.
-        reduction = [] if leaf.frozen else build.all_reduce(
-            REDUCTION, axes.all_axes, size, settings.reduce_itemsize, 1
-        )
-        return LeafSchedule(split, reduction=tuple(reduction), keeps_first_layer=kept_first)
+        summed = build.all_reduce(REDUCTION, axes.all_axes, size, settings.reduce_itemsize, 1)
+        reduction = () if leaf.frozen else tuple(summed)
+        return LeafSchedule(split, reduction=reduction, keeps_first_layer=kept_first)
     gather, regather, grad_reduce = _layer_ops(axes, split, settings, kept_first)
     reduction = () if leaf.frozen else _reduction(build, split, settings.reduce_itemsize)
     refresh, refresh_slice = _refresh(build, split, settings.param_itemsize)
-    first_gather = first_reduce = ()
+    first_gather: tuple[Op, ...] = ()
+    first_reduce: tuple[Op, ...] = ()
     if kept_first:
         first_gather = tuple(
             dataclasses.replace(op, phase=OTHER_GATHER, executions=1, unit=None) for op in gather
@@ -445,21 +445,21 @@ def launches(ops: Iterable[tuple[int, Op]], platform: str, layer_bytes: int) -> 
     group shape (devices, nodes) with the same executions and layer group (`Op.unit`): one layer's
     gathers (or gradient reduce-scatters) per layer and micro-batch, the other leaves' together, a
     once-per-step phase's together. Groups are told apart by shape, not by mesh axes, so that the
-    planner's placements priced one by one (`amsp_jax.planner.partitioner`, on meshes of fewer axes) issue as
+    planner's placements priced one by one (`amsp_jax.planner.terms`, on meshes of fewer axes) issue as
     many as the whole strategy; two groups of one shape over different axes of one mesh (a leaf split
     along two dimensions beside one split along one) count as one. A kind the platform does not merge
     is issued once per op.
     """
     thresholds = combine_thresholds(platform, layer_bytes)
-    merged: dict[tuple[object, ...], list[int]] = {}
+    merged: dict[tuple[object, ...], tuple[Op, list[int]]] = {}
     total = 0
     for copies, op in ops:
         if op.kind not in thresholds:
             total += copies * op.executions
             continue
         key = (op.phase, op.kind, op.group, op.nodes, op.unit, op.executions)
-        merged.setdefault(key, []).extend([op.result_bytes] * copies)
-    return total + sum(key[-1] * _packed(sizes, thresholds[key[1]]) for key, sizes in merged.items())
+        merged.setdefault(key, (op, []))[1].extend([op.result_bytes] * copies)
+    return total + sum(op.executions * _packed(sizes, thresholds[op.kind]) for op, sizes in merged.values())
 
 
 def _packed(sizes: list[int], threshold: float) -> int:

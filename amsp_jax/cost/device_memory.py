@@ -25,7 +25,7 @@ PEAKS = ("loss", "backward", "update", "refresh")
 class Peak:
     """What a step holds at one of its peaks beyond the model states, by the choice that sets it.
 
-    The ILP prices each field by one decision (`amsp_jax.planner.partitioner`), so a field depends on P's
+    The ILP prices each field by one decision (`amsp_jax.planner.terms`), so a field depends on P's
     placement alone (`gathered`), G's (`grads`, negative where G blocks are not yet or no longer
     live), OS's (`opt_state`), P's with OS's (`p_with_os`) or the batch and remat policy
     (`activations`).
