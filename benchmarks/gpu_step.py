@@ -253,10 +253,14 @@ def hardware_for(profiled: ClusterConfig) -> dict[str, ClusterConfig]:
 
 
 def reprice(path: Path, target: str = "h100-sxm") -> str:
-    """Recompute a run's model-derived numbers (MFU, predictions) with today's models and its own profile,
-    its measured times kept; the step is rebuilt here for one GPU of `target` (compiled for nothing).
-    Writes nothing (a recorded run's files are never rewritten); returns one line per pair, before and
-    after."""
+    """One line per pair of a recorded run, its MFU and prediction before and after `repriced`."""
+    return repriced(path, target)[1]
+
+
+def repriced(path: Path, target: str = "h100-sxm") -> tuple[dict[str, Any], str]:
+    """A run's report with its model-derived numbers (MFU, predictions) recomputed by today's models and
+    its own profile, its measured times kept; the step is rebuilt here for one GPU of `target` (compiled
+    for nothing). The recorded files are never rewritten. Also one line per pair, before and after."""
     report = json.loads(path.read_text())
     config = model_of(report)
     model = Llama(config)
@@ -275,7 +279,8 @@ def reprice(path: Path, target: str = "h100-sxm") -> str:
             f"{before[0]:.1%} -> {row['mfu']:.1%}, predicted (profiled) / measured {before[1]:.2f} -> "
             f"{row['predicted']['profiled']['ratio']:.2f}"
         )
-    return "\n".join(lines)
+    report.setdefault("repriced", []).append(time.strftime("%Y-%m-%d"))
+    return report, "\n".join(lines)
 
 
 def trace_step(run: Any, out: Path, keep: bool) -> dict[str, Any]:

@@ -20,13 +20,14 @@ def test_pairs_run_and_start_from_the_same_loss(tmp_path, monkeypatch):
             "--out", str(tmp_path)]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     assert gpu_step.main() == 0
-    report = json.loads((tmp_path / "gpu_step_cpu.json").read_text())
+    (written,) = tmp_path.glob("gpu_step_cpu_*.json")  # a new dated file per run
+    report = json.loads(written.read_text())
     rows = report["rows"]
     assert [(r["micro_batches"], r["remat"]) for r in rows] == [(1, "none"), (2, "full"), (4, "dots")]
     # Same parameters and batch: the first step's loss does not depend on micro-batching or remat.
     np.testing.assert_allclose([r["losses"][0] for r in rows], rows[0]["losses"][0], rtol=1e-5)
     assert all(r["measured_s"] > 0 and len(r["times_s"]) == 2 for r in rows)
-    assert (tmp_path / "gpu_step_cpu.md").read_text().count("| 4 | ") == 3
+    assert written.with_suffix(".md").read_text().count("| 4 | ") == 3
 
 
 def test_kernel_time_is_summed_by_kind_on_the_gpu_stream_lines_only(tmp_path):
@@ -83,8 +84,9 @@ def test_a_run_is_repriced_with_todays_models_and_its_own_times(tmp_path):
               "profile": (gpu_step.ROOT / "configs/clusters/h100-dgx.yaml").read_text()}  # fmt: skip
     path = tmp_path / "gpu_step_h100.json"
     path.write_text(json.dumps(report))
-    gpu_step.reprice(path)
-    repriced = json.loads(path.read_text())
+    recorded = path.read_text()
+    repriced, _ = gpu_step.repriced(path)
+    assert path.read_text() == recorded  # a recorded run is never rewritten
     # By hand: 616768 parameters (embedding and head 4096x64 each, 2 layers of 46208, the norm 64), of
     # which 354624 are multiplied (not the looked-up embedding). Per token 6 x 354624 + 12 x 2 x 4 x 16 x
     # 64 = 2226048 model FLOPs; 128 tokens in 0.01 s against 989e12 FLOP/s: MFU 2.8810328e-5.
@@ -102,4 +104,4 @@ def test_a_run_is_repriced_with_todays_models_and_its_own_times(tmp_path):
         assert profiled["compute_s"] == pytest.approx(0.64494168e-6)
         assert profiled["memory_s"]["opt_state"] == pytest.approx(5.5232955e-6)
         assert profiled["ratio"] == pytest.approx(6.1682372e-6 / measured)
-    assert "recomputed with the models of" in path.with_suffix(".md").read_text()
+    assert "recomputed with the models of" in gpu_step.markdown(repriced)
