@@ -57,18 +57,18 @@ class Trainer:
         self.layers, self.frozen = layers, frozen
         self.loss = LossSpec(loss_fn, has_aux, rng_seed, tuple(collections))
         self.layout = make_layout(plan.cluster, plan.strategy, devices)
-        self._programs: list[StepProgram] = []  # the one built by the latest `setup`
+        self._program: StepProgram | None = None  # built by `setup` (or `init`)
         self._compiled: dict[Any, Any] = {}
 
     @property
     def program(self) -> StepProgram:
         """The step program `init` (or `setup`) built."""
-        if not self._programs:
+        if self._program is None:
             raise TrainerError(
                 "call trainer.init(key, example_inputs) before step() or any use of the step, or setup() "
                 "and restore a checkpoint"
             )
-        return self._programs[-1]
+        return self._program
 
     def setup(self, key: jax.Array, *args: Any, **kwargs: Any) -> StepProgram:
         """Build the step program from the model called as `model.init(key, *args, **kwargs)` (shapes
@@ -77,7 +77,7 @@ class Trainer:
             self.plan, self.layout, self.model, self.optimizer, self.loss, key, Example(args, kwargs),
             self.layers, self.frozen,
         )  # fmt: skip
-        self._programs, self._compiled = [program], {}
+        self._program, self._compiled = program, {}
         return program
 
     def init(self, key: jax.Array, *args: Any, **kwargs: Any) -> TrainState:
@@ -127,8 +127,8 @@ class Trainer:
 
     def describe(self) -> str:
         """The plan as laid out for this model (before `init`: the plan and mesh only)."""
-        if self._programs:
-            return describe(self._programs[-1])
+        if self._program is not None:
+            return describe(self._program)
         return "\n".join(describe_layout(self.plan, self.layout))
 
     def check_batch(self, batch: Any) -> None:
