@@ -17,6 +17,10 @@ from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
+import yaml
+
+from amsp_jax.errors import one_line
+
 SUFFIX = {"clusters": ".yaml", "models": ".yaml", "targets": ".txtpb", "train": ".yaml"}
 """The kinds of shipped configs (their folders) and the suffix of their files."""
 NOUN = {
@@ -70,3 +74,17 @@ def find(kind: str, given: str | Path, error: type[Exception] = FileNotFoundErro
         raise error(f"unknown {noun} {name!r}; {known}")
     what = "is not a file" if path.exists() else "does not exist"
     raise error(f"{noun} {given} {what} and no shipped {noun} is named {name!r}; {known}")
+
+
+def read_mapping(path: Path, error: type[Exception], what: str) -> dict:
+    """The settings in the YAML file `path` (an empty file: none); `error`, with one line naming the file,
+    when it is not valid YAML or not a mapping (`what` says what it should map, with an example)."""
+    try:
+        values = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as problem:
+        raise error(f"{path} is not valid YAML ({one_line(problem)}); fix its syntax") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise error(f"{path} is not a mapping of {what}")
+    return values

@@ -50,8 +50,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from amsp_jax.core import config_files
 from amsp_jax.core.space import Cluster
 from amsp_jax.cost.bandwidth import (
@@ -62,7 +60,6 @@ from amsp_jax.cost.bandwidth import (
     format_size,
     parse_size,
 )
-from amsp_jax.errors import one_line
 
 __all__ = [  # the rate tables and units live in `cost.bandwidth`; configs name them from here too
     "FLAT",
@@ -409,12 +406,8 @@ def _memory_passes(section: Any, where: str) -> dict[str, float] | None:
 def load(path: str | Path) -> ClusterConfig:
     """Read a cluster YAML: a file, or a shipped config by name (`a800-8x-ib800`; see `config_files`)."""
     path = config_files.find("clusters", path, ClusterConfigError)
-    try:
-        values = yaml.safe_load(path.read_text()) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
-        raise ClusterConfigError(f"{path} is not valid YAML ({one_line(error)}); fix its syntax") from None
-    if not isinstance(values, dict):
-        raise ClusterConfigError(f"{path} is not a mapping of cluster settings (name, nodes, device, ...)")
+    what = "cluster settings (name, nodes, device, ...)"
+    values = config_files.read_mapping(path, ClusterConfigError, what)
     return from_dict(values, str(path))
 
 

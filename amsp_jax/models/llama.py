@@ -16,12 +16,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import yaml
 
 from amsp_jax.core import config_files
 from amsp_jax.cost.trace import ModelSpec
 from amsp_jax.cost.workload import llama_workload
-from amsp_jax.errors import AmspError, check_field_types, one_line
+from amsp_jax.errors import AmspError, check_field_types
 from amsp_jax.layers.stack import LayerStack
 from amsp_jax.models import attention as attention_lib
 
@@ -107,12 +106,10 @@ class LlamaConfig:
         path = Path(path)
         if not path.is_file():
             raise ModelConfigError(f"model config {path} does not exist; see configs/models/ for examples")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except (yaml.YAMLError, UnicodeDecodeError) as error:
-            raise ModelConfigError(f"{path} is not valid YAML ({one_line(error)}); fix its syntax") from None
-        if not isinstance(data, dict):
-            raise ModelConfigError(f"{path} is not a mapping of model settings (e.g. dim: 64)")
+        what = "model settings (e.g. dim: 64)"
+        data = config_files.read_mapping(path, ModelConfigError, what)
+        if not data:  # an empty file would silently be the default model
+            raise ModelConfigError(f"{path} is not a mapping of {what}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:

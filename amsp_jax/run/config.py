@@ -21,11 +21,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-import yaml
-
 from amsp_jax.core import config_files
 from amsp_jax.core.plan import REMAT_POLICIES
-from amsp_jax.errors import AmspError, check_field_types, one_line
+from amsp_jax.errors import AmspError, check_field_types
 from amsp_jax.run.data import TOKEN_DTYPES
 
 
@@ -298,12 +296,7 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     config = TrainConfig()
     if path is not None:
         path = config_files.find("train", path, ConfigError)
-        try:
-            values = yaml.safe_load(path.read_text()) or {}
-        except (yaml.YAMLError, UnicodeDecodeError) as error:
-            raise ConfigError(f"{path} is not valid YAML ({one_line(error)}); fix its syntax") from None
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path} is not a mapping of train settings (e.g. run: {{steps: 100}})")
+        values = config_files.read_mapping(path, ConfigError, "train settings (e.g. run: {steps: 100})")
         try:
             config = TrainConfig.from_dict(values)
         except ConfigError as error:
