@@ -26,12 +26,10 @@ def hardware() -> str:
     return kind if len(devices) == 1 else f"{kind}x{len(devices)}"
 
 
-def dated_stem(
-    out_dir: str | Path, theme: str, hardware_name: str, when: datetime.datetime | None = None
-) -> Path:
+def dated_stem(out_dir: str | Path, theme: str, hardware_name: str) -> Path:
     """`out_dir/<theme>_<hardware>_<yyyymmdd-hhmm>` (with `-2`, `-3`, ... where a file of that stem exists),
     for the run's `.md` and any `.json` or `.png` beside it."""
-    when = when or datetime.datetime.now(datetime.UTC)
+    when = datetime.datetime.now(datetime.UTC)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     base = f"{theme}_{hardware_name}_{when:%Y%m%d-%H%M}"
@@ -56,7 +54,6 @@ def header(title: str, argv: list[str] | None = None) -> str:
             f"# {title}",
             "",
             f"- Command: `{command}`",
-            f"- Written: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
             f"- jax {jax.__version__}, jaxlib {jaxlib.__version__}, Python {platform.python_version()}",
             f"- Hardware: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}); host "
             f"{platform.machine()}, {os.cpu_count()} CPU cores",
