@@ -53,7 +53,7 @@ from amsp_jax.core import config_files
 from amsp_jax.core.mesh import batch_spec
 from amsp_jax.cost import timing
 from amsp_jax.cost.hardware import ClusterConfig, from_dict, load
-from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
+from amsp_jax.models.llama import Llama, LlamaConfig, llama_spec, make_loss_fn
 from benchmarks import results_file
 from benchmarks.step_time import abstract, make_batch, optimizer
 
@@ -74,6 +74,11 @@ def card(device: Any) -> str:
     kind = device.device_kind.lower()
     found = re.search(r"\b[a-z]\d{2,3}\b", kind)
     return found.group(0) if found else re.sub(r"[^a-z0-9]+", "-", kind).strip("-")
+
+
+def card_of(profile: ClusterConfig) -> str:
+    """`card`'s tag for the device a profile measured."""
+    return card(argparse.Namespace(device_kind=profile.device_name))
 
 
 def profile_device(out: Path) -> Path:
@@ -252,15 +257,41 @@ def hardware_for(profiled: ClusterConfig) -> dict[str, ClusterConfig]:
     return {"profiled": profiled.with_shape(1, 1), "h100-dgx (datasheet)": load("h100-dgx").with_shape(1, 1)}
 
 
+# How far from its measured step a repriced pair may land (issue 45: every recorded pair within it).
+REPRICE_TOLERANCE = 0.15
+
+
 def reprice(path: Path, target: str = "h100-sxm") -> str:
-    """One line per pair of a recorded run, its MFU and prediction before and after `repriced`."""
-    return repriced(path, target)[1]
+    """One line per pair of a recorded run, its MFU and prediction before and after `repriced`, then
+    the planner's one-GPU choice among the run's pairs beside the fastest measured (`planner_choice`)."""
+    report, lines = repriced(path, target)
+    return "\n".join([lines, *(line for _, line in planner_choice(report))])
+
+
+def reprice_all(paths: list[Path], target: str = "h100-sxm") -> str:
+    """`reprice` of every run, then how many pairs landed within `REPRICE_TOLERANCE` and in how many
+    runs the planner chose the fastest measured pair."""
+    lines, ratios, choices = [], [], []
+    for path in paths:
+        report, text = repriced(path, target)
+        found = planner_choice(report)
+        lines += [text, *(line for _, line in found)]
+        ratios += [row["predicted"]["profiled"]["ratio"] for row in report["rows"] if "mfu" in row]
+        choices += [ok for ok, _ in found]
+    within = sum(abs(r - 1) <= REPRICE_TOLERANCE for r in ratios)
+    lines.append(
+        f"{within} of {len(ratios)} pairs within ±{REPRICE_TOLERANCE:.0%} of the measured step "
+        f"(predicted / measured {min(ratios):.2f}-{max(ratios):.2f}); the planner's choice is the fastest "
+        f"measured pair in {sum(choices)} of {len(choices)} runs"
+    )
+    return "\n".join(lines)
 
 
 def repriced(path: Path, target: str = "h100-sxm") -> tuple[dict[str, Any], str]:
     """A run's report with its model-derived numbers (MFU, predictions) recomputed by today's models and
     its own profile, its measured times kept; the step is rebuilt here for one GPU of `target` (compiled
-    for nothing). The recorded files are never rewritten. Also one line per pair, before and after."""
+    for nothing). The recorded files are never rewritten. Also one line per pair, before and after, and
+    whether it lands within `REPRICE_TOLERANCE` of the measured step."""
     report = json.loads(path.read_text())
     config = model_of(report)
     model = Llama(config)
@@ -274,13 +305,98 @@ def repriced(path: Path, target: str = "h100-sxm") -> tuple[dict[str, Any], str]
         trainer = make_trainer(model, host_batch, row["micro_batches"], row["remat"], device)
         before = (row["mfu"], row["predicted"]["profiled"]["ratio"])
         row.update(modelled(trainer, host_batch, config, hardware, row["measured_s"]))
+        ratio = row["predicted"]["profiled"]["ratio"]
         lines.append(
-            f"{report['device']}, {report['model']}, M={row['micro_batches']} {row['remat']}: MFU "
-            f"{before[0]:.1%} -> {row['mfu']:.1%}, predicted (profiled) / measured {before[1]:.2f} -> "
-            f"{row['predicted']['profiled']['ratio']:.2f}"
+            f"{report['device']}, {report['model']}, batch {row['global_batch']}, M={row['micro_batches']} "
+            f"{row['remat']}: MFU {before[0]:.1%} -> {row['mfu']:.1%}, predicted (profiled) / measured "
+            f"{before[1]:.2f} -> {ratio:.2f}"
+            + ("" if abs(ratio - 1) <= REPRICE_TOLERANCE else f" (outside ±{REPRICE_TOLERANCE:.0%})")
         )
     report.setdefault("repriced", []).append(time.strftime("%Y-%m-%d"))
     return report, "\n".join(lines)
+
+
+def planner_pick(
+    config: LlamaConfig, hardware: ClusterConfig, seq_len: int, batch: int, pairs: list[tuple[int, str]]
+) -> tuple[int, str]:
+    """The planner's choice of (micro-batches, remat) among `pairs` for one GPU of `hardware`: the
+    fastest that fits by its own terms (`amsp_jax.planner.terms`), as the ILP prices them."""
+    from amsp_jax.planner.request import make_request
+    from amsp_jax.planner.terms import Candidate, build_terms
+
+    hardware = hardware.with_shape(1, 1)
+    terms = build_terms(make_request(llama_spec(config), hardware, seq_len=seq_len, global_batch=batch))
+    strategy = aj.resolve("ddp", hardware.cluster())
+
+    def predicted(pair: tuple[int, str]) -> float:
+        candidate = Candidate(strategy, batch // pair[0], pair[1])
+        fits = terms.memory(candidate) <= terms.memory_limit
+        return terms.step_time(candidate).step_s if fits else float("inf")
+
+    return min(pairs, key=predicted)
+
+
+def planner_choice(report: dict[str, Any]) -> list[tuple[bool, str]]:
+    """Per global batch of a run: whether the planner's choice among the run's measured (micro-batches,
+    remat) pairs, on the run's profile (`planner_pick`), is the fastest measured one, and a line."""
+    config = model_of(report)
+    hardware = from_dict(yaml.safe_load(report["profile"]))
+    found = []
+    rows = [row for row in report["rows"] if "measured_s" in row]
+    for batch in sorted({row["global_batch"] for row in rows}):
+        pairs = {(row["micro_batches"], row["remat"]): row["measured_s"] for row in rows
+                 if row["global_batch"] == batch}  # fmt: skip
+        if len(pairs) < 2:
+            continue
+        chosen = planner_pick(config, hardware, report["seq_len"], batch, list(pairs))
+        fastest = min(pairs, key=pairs.__getitem__)
+        ok = pairs[chosen] == pairs[fastest]
+        found.append((ok, (
+            f"{report['device']}, {report['model']}, batch {batch}: the planner chooses M={chosen[0]} "
+            f"{chosen[1]} ({pairs[chosen]:.4f} s measured) of {len(pairs)} pairs; fastest measured M="
+            f"{fastest[0]} {fastest[1]} ({pairs[fastest]:.4f} s)" + ("" if ok else " (NOT the fastest)")
+        )))  # fmt: skip
+    return found
+
+
+def predict(config: LlamaConfig, args: argparse.Namespace) -> str:
+    """No GPU: each pair's predicted step on the device `--profile` describes, and the planner's choice
+    among the pairs, written to a dated `gpu_step-prediction_<card>_*.md` before the pairs run."""
+    profile = load(args.profile)
+    hardware = hardware_for(profile)
+    device = gpu_target.topology("h100-sxm", 1, 1)[0]
+    model = Llama(config)
+    pairs = [pair.split(":") for pair in args.pairs.split(",")]
+    peak = hardware["h100-dgx (datasheet)"].peak_flops
+    lines = [
+        f"Model `{args.model}`: {config.num_params():,} parameters; sequences of {args.seq_len} tokens, "
+        f"mixed precision, AdamW, one GPU priced by the profile `{args.profile}` "
+        f"({profile.device_name}). MFU: model FLOPs over {peak / 1e12:.0f} TFLOP/s.",
+        "",
+        "| batch | M | remat | predicted s | compute s | memory-bound s | of it, every plan | predicted GiB "
+        "| predicted MFU |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    by_batch: dict[int, list[tuple[int, str]]] = {}
+    for micro_batches, remat, *batch in pairs:
+        host_batch = make_batch(config, int(batch[0]) if batch else args.global_batch, args.seq_len)
+        trainer = make_trainer(model, host_batch, int(micro_batches), remat, device)
+        workload = audit.workload_of(trainer, host_batch, cost.llama_dims(config))
+        priced = timing.estimate(trainer.layout, workload, hardware["profiled"])
+        estimate, memory = priced.time, priced.prediction.memory.total
+        flops = workload.flops_per_token() * workload.tokens_per_device()
+        by_batch.setdefault(len(host_batch["inputs"]), []).append((int(micro_batches), remat))
+        lines.append(
+            f"| {len(host_batch['inputs'])} | {micro_batches} | {remat} | {estimate.step_s:.4f} "
+            f"| {estimate.compute_s:.4f} | {sum(estimate.memory_s.values()):.4f} "
+            f"| {estimate.memory_s['every plan']:.4f} | {memory / 2**30:.1f} "
+            f"| {flops / estimate.step_s / peak:.1%} |"
+        )
+    lines.append("")
+    for batch, among in by_batch.items():
+        chosen = planner_pick(config, profile, args.seq_len, batch, among)
+        lines.append(f"The planner's choice among these pairs at batch {batch}: M={chosen[0]} {chosen[1]}.")
+    return "\n".join(lines) + "\n"
 
 
 def trace_step(run: Any, out: Path, keep: bool) -> dict[str, Any]:
@@ -495,6 +611,11 @@ def main() -> int:
         "print them beside the recorded ones",
     )
     parser.add_argument(
+        "--predict",
+        action="store_true",
+        help="no GPU: write each pair's predicted step on the --profile device to a dated results file",
+    )
+    parser.add_argument(
         "--options-check",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -508,8 +629,18 @@ def main() -> int:
     if args.traffic:
         print(traffic_check(args.traffic))
         return 0
+    if args.predict:
+        if not args.profile:
+            parser.error("--predict prices the pairs with a recorded profile: give --profile")
+        text = predict(config, args)
+        stem = results_file.dated_stem(args.out, "gpu_step-prediction", card_of(load(args.profile)))
+        stem.with_suffix(".md").write_text(
+            results_file.header(f"One GPU: {config.name} step, predicted") + text
+        )
+        print(text)
+        return 0
     if args.reprice:
-        print("\n".join(reprice(Path(path)) for path in args.reprice))
+        print(reprice_all([Path(path) for path in args.reprice]))
         return 0
     if args.check_options:
         check_options(config, args.pairs.split(",")[0], args)

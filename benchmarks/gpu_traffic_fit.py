@@ -1,25 +1,21 @@
-"""No GPU: predict the memory traffic of a GPU step from the model's shape, checked on the runs' own steps.
+"""No GPU: fit the GPU memory-traffic form (`amsp_jax.cost.memory_traffic`) on steps compiled for H100s.
 
 On one GPU about a third of a ~1B LLaMA step is memory-bound kernels (`benchmarks/gpu_step.py`), and
 their time is the bytes they touch over one bandwidth per card within about 15 % (`gpu_step
---traffic`). What the time model lacks is those bytes for a step it has not compiled. The cost
-model's memory blocks do not carry them across shapes on a GPU: the stored activations say little
-about the traffic of a recomputed layer, and the logits' traffic grows with the vocabulary. This fits
-a form with the shape in it:
+--traffic`). The time model prices those bytes with a linear form in the plan's blocks and the
+model's shape (`amsp_jax.cost.memory_traffic`, whose docstring derives its terms). This compiles
+probe steps for H100s here (no GPU; `amsp_jax.compiled.gpu_target`), counts their memory-bound
+traffic (`amsp_jax.compiled.hlo.memory_traffic`) and fits the form's coefficients by least squares on
+relative errors: small LLaMA shapes whose widths, vocabularies and tokens per parameter move each term
+on its own, on one device (remat none / dots / full, one and two micro-batches) and on four (ddp,
+zero1, zero2, zero3, which set the P, G and OS blocks apart). No measured time enters the fit: the
+measured steps of `benchmarks/results/gpu_step_*.json` stay an independent check (`gpu_step --reprice`).
 
-    bytes = a·4Φ + b·4Φ·M + c·4·T·V + Σ_remat (d_r·2·T·L·D + e_r·2·T·L·F + f_r·2·T·L·K)
+It writes a dated results file (the fit's residuals, and the probes' rows as JSON beside it) and prints
+the YAML of `amsp_jax/configs/traffic/xla-gpu.yaml`, to be copied there with the results file named.
 
-(Φ parameters, M micro-batches, T tokens per step, V vocabulary, L layers, D width, F MLP width, K the
-key/value width; d, e, f for the step's remat only) by weighted least squares (relative errors) on
-small LLaMA shapes compiled for one H100 here, then predicts the compiled traffic of every traced
-pair of the given `gpu_step` runs, compiled the same way, and prints both with the other kernels'
-measured seconds. It also prices each pair as the time model would with that traffic: its compute
-as the run's profile priced it, plus the predicted bytes at the profile's memory bandwidth (the
-largest elementwise pass `amsp-jax profile` timed), beside the measured step. Nothing here runs on a
-GPU, and the time model does not use the fit yet.
-
-Run:  JAX_PLATFORMS=cpu python -m benchmarks.gpu_traffic_fit \
-      benchmarks/results/gpu_step_h100_20261126-0743.json ...
+Run:  JAX_PLATFORMS=cpu python -m benchmarks.gpu_traffic_fit            (compiles ~66 probes)
+      JAX_PLATFORMS=cpu python -m benchmarks.gpu_traffic_fit --probes PROBES.json   (refit, no compile)
 """
 
 from __future__ import annotations
@@ -29,18 +25,15 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import yaml
 
-from amsp_jax.compiled import gpu_target
-from amsp_jax.cost.hardware import from_dict
-from amsp_jax.models.llama import Llama, LlamaConfig
+from amsp_jax import cost
+from amsp_jax.cost import memory_traffic
+from amsp_jax.models.llama import LlamaConfig
 from benchmarks import results_file
-from benchmarks.gpu_step import compiled_traffic, make_trainer, model_of, traced_pairs
-from benchmarks.step_time import make_batch
 
-REMATS = ("none", "dots", "full")
 # (width, layers, heads, kv heads, MLP width, vocabulary, sequence, sequences per micro-batch): widths,
 # vocabularies and tokens per parameter apart, so that each term of the form has its own lever.
 SHAPES = (
@@ -53,79 +46,126 @@ SHAPES = (
     (384, 2, 6, 6, 1024, 50000, 256, 8),
     (896, 2, 14, 2, 3072, 12000, 2048, 1),
 )
+# (shape, devices, strategy, micro-batches, remat): every remat and batching on one device; the
+# placements that set P, G and OS apart on four.
+JOBS = tuple(
+    [(s, 1, "ddp", m, r) for s in SHAPES for m in (1, 2) for r in memory_traffic.REMATS]
+    + [(s, 4, strategy, 1, "none") for s in SHAPES[:3] for strategy in ("ddp", "zero1", "zero2", "zero3")]
+    + [(s, 4, strategy, 2, "none") for s in SHAPES[:3] for strategy in ("zero1", "zero3")]
+)
 
 
-def features(config: LlamaConfig, tokens: int, micro_batches: int, remat: str) -> list[float]:
-    """The form's terms for one step of `config` over `tokens` tokens."""
-    params = 4.0 * config.num_params()
-    kv_width = config.n_kv_heads * (config.dim // config.n_heads)
-    per_layer = 2.0 * tokens * config.n_layers
-    terms = [params, params * micro_batches, 4.0 * tokens * config.vocab_size]
-    for mode in REMATS:
-        on = per_layer if mode == remat else 0.0
-        terms += [on * config.dim, on * config.ffn_dim, on * kv_width]
-    return terms
+def shape_config(shape: list[int] | tuple[int, ...]) -> LlamaConfig:
+    """The probe LLaMA of one of `SHAPES`."""
+    dim, layers, heads, kv_heads, ffn, vocab, seq, _ = shape
+    return LlamaConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads,
+                       ffn_dim=ffn, max_seq_len=seq, name=f"probe-{dim}x{layers}")  # fmt: skip
 
 
-def fit(device) -> tuple[np.ndarray, float]:
-    """The form's coefficients from the probe shapes, and the largest |fitted / compiled − 1| there."""
-    rows, traffic = [], []
-    for dim, layers, heads, kv_heads, ffn, vocab, seq, batch in SHAPES:
-        config = LlamaConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads,
-                             ffn_dim=ffn, max_seq_len=seq, name=f"probe-{dim}x{layers}")  # fmt: skip
-        model = Llama(config)
-        for micro_batches in (1, 2):
-            host_batch = make_batch(config, batch * micro_batches, seq)
-            for remat in REMATS:
-                trainer = make_trainer(model, host_batch, micro_batches, remat, device)
-                traffic.append(compiled_traffic(trainer, host_batch))
-                rows.append(features(config, batch * micro_batches * seq, micro_batches, remat))
-    x, y = np.array(rows), np.array(traffic, dtype=float)
-    coefficients, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)
-    return coefficients, float(np.max(np.abs(x @ coefficients / y - 1)))
+def probe(job: tuple, topologies: dict[int, Any]) -> dict[str, Any]:
+    """Compile one probe step for H100s and record its compiled traffic and memory blocks."""
+    import jax
+
+    import amsp_jax as aj
+    from amsp_jax.compiled import audit
+    from amsp_jax.cost import timing
+    from amsp_jax.models.llama import Llama, make_loss_fn
+    from benchmarks.gpu_step import compiled_traffic
+    from benchmarks.step_time import make_batch, optimizer
+
+    shape, devices, strategy, micro_batches, remat = job
+    config = shape_config(shape)
+    model = Llama(config)
+    cluster = aj.Cluster(1, devices, "probe")
+    host_batch = make_batch(config, shape[7] * micro_batches * devices, shape[6])
+    plan = aj.Plan(cluster, aj.resolve(strategy, cluster), micro_batches, precision="mixed", remat=remat)
+    trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model), devices=list(topologies[devices]))
+    trainer.setup(jax.random.key(0), host_batch["inputs"])
+    workload = audit.workload_of(trainer, host_batch, cost.llama_dims(config))
+    blocks = timing.pass_blocks(cost.memory(trainer.layout, workload), workload)
+    return {"shape": list(shape), "devices": devices, "strategy": strategy, "micro_batches": micro_batches,
+            "remat": remat, "compiled": compiled_traffic(trainer, host_batch), "blocks": blocks}  # fmt: skip
+
+
+def terms_of(row: dict[str, Any]) -> dict[str, float]:
+    """The form's terms of a probe row (`memory_traffic.terms`), from its shape and recorded blocks."""
+    shape = row["shape"]
+    workload = cost.llama_workload(shape_config(shape), shape[6], shape[7], row["micro_batches"],
+                                   "mixed", row["remat"])  # fmt: skip
+    return memory_traffic.terms(row["blocks"], workload, row["devices"])
+
+
+def fit(rows: list[dict[str, Any]]) -> tuple[dict[str, float], np.ndarray]:
+    """The coefficients minimising the squared relative error over `rows`, none negative (a kernel
+    touches no negative bytes; unconstrained, terms that move together trade signs), and each row's
+    fitted / compiled traffic."""
+    from scipy.optimize import nnls  # jax's own dependency
+
+    x = np.array([[terms_of(row)[name] for name in memory_traffic.TERMS] for row in rows])
+    y = np.array([row["compiled"] for row in rows], dtype=float)
+    coefficients, _ = nnls(x / y[:, None], np.ones_like(y))
+    return dict(zip(memory_traffic.TERMS, map(float, coefficients), strict=True)), x @ coefficients / y
+
+
+def yaml_text(coefficients: dict[str, float], source: str) -> str:
+    """The traffic form's config file."""
+    lines = [
+        "# Bytes the memory-bound kernels of a GPU step touch per byte of each term of",
+        "# amsp_jax/cost/memory_traffic.py (its docstring derives the terms), fitted on probe steps",
+        "# compiled for H100s without a GPU (no measured time enters them). Source:",
+        *(f"# {line}" for line in source.splitlines()),
+        "name: xla-gpu",
+        "coefficients:",
+    ]
+    lines += [f"  {name}: {coefficients[name]:.4g}" for name in memory_traffic.TERMS if "." not in name]
+    lines.append("  activations:     # per 2·T·L·width, by the step's remat")
+    for remat in memory_traffic.REMATS:
+        widths = ", ".join(f"{w}: {coefficients[f'{remat}.{w}']:.4g}" for w in memory_traffic.WIDTHS)
+        lines.append(f"    {remat}: {{{widths}}}")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", metavar="JSON", help="gpu_step results with traced pairs")
+    parser.add_argument("--probes", help="a JSON of probe rows written before: refit without compiling")
     parser.add_argument("--out", default=str(results_file.RESULTS), help="output directory")
     args = parser.parse_args()
     began = time.perf_counter()
-    device = gpu_target.topology("h100-sxm", 1, 1)[0]
-    coefficients, fit_error = fit(device)
+    if args.probes:
+        rows = json.loads(Path(args.probes).read_text())["rows"]
+    else:
+        from amsp_jax.compiled import gpu_target
+
+        topologies = {n: gpu_target.topology("h100-sxm", 1, n) for n in (1, 4)}
+        rows = []
+        for job in JOBS:
+            rows.append(probe(job, topologies))
+            print(json.dumps(rows[-1]), flush=True)
+    coefficients, ratios = fit(rows)
+    stem = results_file.dated_stem(args.out, "gpu_traffic_fit", "h100-compiled")
     lines = [
         results_file.header(
-            "GPU memory traffic from the model's shape (compiled for one H100, no GPU)"
+            "GPU memory traffic form fitted on probe steps compiled for H100s (no GPU)"
         ).rstrip(),
         "",
-        f"The form (module docstring) fitted on {len(SHAPES) * 2 * len(REMATS)} probe steps "
-        f"({len(SHAPES)} shapes, M = 1 and 2, remat none / dots / full) reproduces their compiled traffic "
-        f"within ±{fit_error:.0%}; below, each run's traced pairs, compiled the same way.",
+        f"{len(rows)} probe steps; the probes' rows: `{stem.name}.json`. Fitted / compiled traffic "
+        f"{ratios.min():.3f}-{ratios.max():.3f} (median |error| {np.median(np.abs(ratios - 1)):.1%}).",
         "",
-        "| run | model | batch | M | remat | compiled GB | predicted GB | predicted / compiled "
-        "| other kernels, measured ms | compiled GB / measured s (TB/s) | profiled TB/s "
-        "| step: compute + predicted GB at profiled TB/s (s) | measured step (s) | ratio |",
-        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| width | layers | vocab | seq | batch | devices | strategy | M | remat | compiled GB "
+        "| fitted / compiled |",
+        "|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---:|",
     ]
-    for path in args.runs:
-        report = json.loads(Path(path).read_text())
-        config = model_of(report)
-        bandwidth = from_dict(yaml.safe_load(report["profile"])).hbm_bandwidth
-        for row, host_batch, trainer, other_s in traced_pairs(report, device):
-            tokens = row["global_batch"] * report["seq_len"]
-            compiled = compiled_traffic(trainer, host_batch)
-            terms = features(config, tokens, row["micro_batches"], row["remat"])
-            predicted = float(np.dot(terms, coefficients))
-            step = row["predicted"]["profiled"]["compute_s"] + predicted / bandwidth
-            measured = row["measured_s"]
-            lines.append(
-                f"| {Path(path).stem} | {report['model']} | {row['global_batch']} | {row['micro_batches']} "
-                f"| {row['remat']} | {compiled / 1e9:.0f} | {predicted / 1e9:.0f} "
-                f"| {predicted / compiled:.2f} | {other_s * 1e3:.1f} | {compiled / other_s / 1e12:.2f} "
-                f"| {bandwidth / 1e12:.2f} | {step:.3f} | {measured:.3f} | {step / measured:.2f} |"
-            )
-    lines += ["", f"{time.perf_counter() - began:.0f} s on this machine."]
-    stem = results_file.dated_stem(args.out, "gpu_traffic_fit", "h100-compiled")
+    for row, ratio in zip(rows, ratios, strict=True):
+        dim, layers, _, _, _, vocab, seq, batch = row["shape"]
+        lines.append(
+            f"| {dim} | {layers} | {vocab} | {seq} | {batch} | {row['devices']} | {row['strategy']} "
+            f"| {row['micro_batches']} | {row['remat']} | {row['compiled'] / 1e9:.3f} | {ratio:.3f} |"
+        )
+    source = f"`python -m benchmarks.gpu_traffic_fit`, {time.strftime('%Y-%m-%d')}, {stem.name}.md"
+    text = yaml_text(coefficients, source)
+    lines += ["", "The coefficients (`amsp_jax/configs/traffic/xla-gpu.yaml`):", "", "```yaml", text + "```",
+              "", f"{time.perf_counter() - began:.0f} s on this machine."]  # fmt: skip
+    stem.with_suffix(".json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

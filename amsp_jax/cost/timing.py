@@ -40,7 +40,10 @@ micro-batches equals max(0, total comm − total compute) of the window. The pip
 first layer's gather, the last layer's reduce-scatter) is not counted, per micro-batch or, with
 `keep_first_layer`, once per step.
 
-Memory-bound work: where the cluster config carries measured `memory_passes` (`amsp-jax profile`
+Memory-bound work on a profiled GPU (`memory_traffic.applies`): every kernel's bytes by the fitted GPU
+traffic form (`amsp_jax.cost.memory_traffic`: per P, G and OS block, per micro-batch, the logits and
+the layers' work under the step's remat) at the fastest elementwise pass the profile measured.
+Memory-bound work elsewhere: where the cluster config carries measured `memory_passes` (`amsp-jax profile`
 writes them), every state block is priced by the bytes the compiled step's memory-bound kernels
 touch per byte of it — the stored P block (casts, the refresh), the G block (sinks, the casts
 around the reduce-scatter), the fp32 master (the optimizer update), every parameter (the gathered
@@ -58,7 +61,7 @@ stages on a backend that runs it wider than its dtype (XLA:CPU, bf16) rounds eac
 a kernel of its own before the next stage reads it (`cost.rounded_bytes`: exactly the compiled bytes a
 split step adds over its flat form); those passes belong to the collective (`rounding_time`), priced
 at `split_results` bytes per byte, which the probe steps time zero3 split against flat for.
-Without measured passes only the optimizer update is priced: it reads the fp32 gradient,
+Without measured passes or a profiled GPU only the optimizer update is priced: it reads the fp32 gradient,
 reads and writes the master and the moments and writes the compute copy, all on the OS block, at
 the device's HBM bandwidth.
 MFU follows Megatron-LM: model FLOPs (no recompute, no causal halving) per second over peak.
@@ -75,8 +78,9 @@ import jax.numpy as jnp
 
 from amsp_jax.core.mesh import AxisPlan
 from amsp_jax.core.schedule import COLLECTIVE_PERMUTE, PHASES, Op, grad_dtype
+from amsp_jax.cost import memory_traffic
 from amsp_jax.cost.device_memory import Memory
-from amsp_jax.cost.hardware import PASS_DEFAULTS, SPLIT_RESULTS, STORED_PARAMS, ClusterConfig
+from amsp_jax.cost.hardware import PASS_BLOCKS, PASS_DEFAULTS, SPLIT_RESULTS, STORED_PARAMS, ClusterConfig
 from amsp_jax.cost.prediction import Prediction, predict
 from amsp_jax.cost.traffic import Transfer, issued, largest_gather_bytes, leaf_ops
 from amsp_jax.cost.workload import FP32, Leaf, Workload
@@ -277,6 +281,31 @@ def pass_time(block: str, nbytes: float, cluster: ClusterConfig) -> float:
     return cluster.memory_passes[block] * nbytes / (cluster.pass_bandwidth * cluster.pass_speed(nbytes))
 
 
+def devices(cluster: ClusterConfig) -> int:
+    """Devices of `cluster`: more than one reduces G across them."""
+    return cluster.nodes * cluster.devices_per_node
+
+
+def traffic_time(sizes: Mapping[str, float], cluster: ClusterConfig) -> float:
+    """Seconds of the GPU traffic form's terms `sizes` (`memory_traffic`) at the profiled bandwidth."""
+    return memory_traffic.seconds(memory_traffic.shipped(), sizes, cluster)
+
+
+def params_time(param_block: float, num_params: int, cluster: ClusterConfig) -> float:
+    """Seconds of the passes over the stored P block (none where the gathers cast the master)."""
+    if memory_traffic.applies(cluster):
+        return traffic_time({"params": param_block}, cluster)
+    return pass_time("params", param_block, cluster) + stored_params_time(param_block, num_params, cluster)
+
+
+def grads_time(grad_block: float, cluster: ClusterConfig) -> float:
+    """Seconds of the passes over the G block, counted in fp32 (`pass_blocks`)."""
+    if memory_traffic.applies(cluster):
+        reduced = grad_block if devices(cluster) > 1 else 0.0
+        return traffic_time({"grads": grad_block, "grads_reduced": reduced}, cluster)
+    return pass_time("grads", grad_block, cluster)
+
+
 def stored_params_time(param_block: float, num_params: int, cluster: ClusterConfig) -> float:
     """Seconds a P stored apart from the master (a nonzero `param_block`) costs beyond its own block's
     passes: `stored_params` bytes per fp32 parameter byte (0 where the cluster measured none)."""
@@ -285,20 +314,30 @@ def stored_params_time(param_block: float, num_params: int, cluster: ClusterConf
     return pass_time(STORED_PARAMS, FP32 * num_params, cluster)
 
 
-def fixed_pass_time(num_params: int, activations: float, micro_batches: int, cluster: ClusterConfig) -> float:
-    """Seconds of the passes every plan runs and the fixed cost of a step; 0 where the cluster measured no
-    passes. The passes over all parameters (gathered weights, full-size gradients) and over one
-    micro-batch's activations run once per micro-batch, since at the same tokens per step both the
-    compiled traffic (XLA:CPU) and a GPU's memory-bound kernel time grow with the micro-batches."""
+def fixed_pass_time(workload: Workload, activations: float, cluster: ClusterConfig) -> float:
+    """Seconds of the passes every plan runs and the fixed cost of a step.
+
+    On a GPU priced by the traffic form: every full-size weight and gradient per micro-batch, the
+    logits, and the layers' elementwise work under the step's remat (`memory_traffic.terms`). With
+    measured passes (a CPU host): the passes over all parameters and over one micro-batch's
+    activations, once per micro-batch, since at the same tokens per step both the compiled traffic
+    (XLA:CPU) and a GPU's memory-bound kernel time grow with the micro-batches. Else 0.
+    """
+    if memory_traffic.applies(cluster):
+        sizes = memory_traffic.terms(dict.fromkeys(PASS_BLOCKS, 0.0), workload, 1)
+        return traffic_time({k: v for k, v in sizes.items() if k not in memory_traffic.BLOCK_TERMS}, cluster)
     if cluster.memory_passes is None:
         return 0.0
-    weights = pass_time("model", FP32 * num_params, cluster)
+    weights = pass_time("model", FP32 * workload.num_params, cluster)
     per_micro_batch = weights + pass_time("activations", activations, cluster)
-    return micro_batches * per_micro_batch + cluster.step_overhead
+    return workload.micro_batches * per_micro_batch + cluster.step_overhead
 
 
 def opt_state_time(memory: Memory, param_bytes: int, cluster: ClusterConfig) -> float:
-    """Seconds of the passes over the OS block: measured, or else the update's own bytes."""
+    """Seconds of the passes over the OS block: by the GPU traffic form, measured, or else the update's
+    own bytes."""
+    if memory_traffic.applies(cluster):
+        return traffic_time({"opt_state": float(memory.master)}, cluster)
     if cluster.memory_passes is None:
         return optimizer_time(memory, param_bytes, cluster)
     return pass_time("opt_state", memory.master, cluster)
@@ -308,19 +347,18 @@ def memory_times(memory: Memory, workload: Workload, cluster: ClusterConfig) -> 
     """Seconds of the step's memory-bound work by what it depends on: the P, G and OS placements, and
     what every plan runs.
 
-    With measured passes (`memory_passes` in the cluster config, from `amsp-jax profile`) every block
-    is priced by the bytes the compiled step's kernels touch per byte of it; without them only the
-    optimizer update is, by the bytes it must read and write (`optimizer_time`).
+    On a profiled GPU every kernel's bytes are priced by the fitted traffic form (`memory_traffic`) at
+    the profiled memory bandwidth; with measured passes (`memory_passes` in the cluster config, from
+    `amsp-jax profile` on a CPU host) every block is priced by the bytes the compiled step's kernels
+    touch per byte of it; without either only the optimizer update is, by the bytes it must read and
+    write (`optimizer_time`).
     """
     blocks = pass_blocks(memory, workload)
     return {
-        "params": pass_time("params", blocks["params"], cluster)
-        + stored_params_time(blocks["params"], workload.num_params, cluster),
-        "grads": pass_time("grads", blocks["grads"], cluster),
+        "params": params_time(blocks["params"], workload.num_params, cluster),
+        "grads": grads_time(blocks["grads"], cluster),
         "opt_state": opt_state_time(memory, workload.precision.param_bytes, cluster),
-        "every plan": fixed_pass_time(
-            workload.num_params, blocks["activations"], workload.micro_batches, cluster
-        ),
+        "every plan": fixed_pass_time(workload, blocks["activations"], cluster),
     }
 
 

@@ -315,10 +315,8 @@ def _state_terms(request: Request, profiles: _Profiles, base: Workload) -> dict[
         as_os = memory(plan_axes(cluster, Strategy(t, t, x)), accumulating)
         out["os_memory"][(x, pi)] = float(as_os.master + as_os.opt_state)
         out["os_update_memory"][(x, pi)] = float(as_os.peaks["update"].opt_state)
-        out["passes"][("P", x, pi)] = timing.pass_time("params", two.param_blocks, hardware) + (
-            timing.stored_params_time(two.param_blocks, base.num_params, hardware)
-        )
-        out["passes"][("G", x, pi)] = timing.pass_time("grads", two.grads, hardware)  # fp32: an accumulator
+        out["passes"][("P", x, pi)] = timing.params_time(two.param_blocks, base.num_params, hardware)
+        out["passes"][("G", x, pi)] = timing.grads_time(two.grads, hardware)  # fp32: an accumulator
         out["passes"][("OS", x, pi)] = timing.opt_state_time(as_os, base.precision.param_bytes, hardware)
     return out
 
@@ -347,7 +345,7 @@ def _batching_terms(request: Request, remats: tuple[str, ...]) -> dict[str, dict
         activations[(b, r)] = float(mem.activations)
         activation_peaks[(b, r)] = {name: float(peak.activations) for name, peak in mem.peaks.items()}
         compute[(b, r)] = timing.compute_times(w, hardware)
-        fixed_passes[(b, r)] = timing.fixed_pass_time(w.num_params, activations[(b, r)], m, hardware)
+        fixed_passes[(b, r)] = timing.fixed_pass_time(w, activations[(b, r)], hardware)
     return {
         "activations": activations,
         "activation_peaks": activation_peaks,

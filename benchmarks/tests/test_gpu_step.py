@@ -105,3 +105,26 @@ def test_a_run_is_repriced_with_todays_models_and_its_own_times(tmp_path):
         assert profiled["memory_s"]["opt_state"] == pytest.approx(5.5232955e-6)
         assert profiled["ratio"] == pytest.approx(6.1682372e-6 / measured)
     assert "recomputed with the models of" in gpu_step.markdown(repriced)
+
+
+# Every recorded one-GPU run (both shapes, both cards): its measured steps are the independent reference.
+RECORDED = sorted(
+    p for p in (gpu_step.ROOT / "benchmarks/results").glob("gpu_step[_-]*.json") if "prediction" not in p.name
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.stem)
+def test_every_recorded_pair_is_priced_within_15_percent_and_the_planner_picks_the_fastest(path):
+    report, _ = gpu_step.repriced(path)
+    measured = {(r["global_batch"], r["micro_batches"], r["remat"]): r["measured_s"] for r in report["rows"]}
+    for row in report["rows"]:
+        predicted = row["predicted"]["profiled"]["step_s"]
+        assert predicted / row["measured_s"] == pytest.approx(1, abs=gpu_step.REPRICE_TOLERANCE), row["remat"]
+    profile = gpu_step.from_dict(gpu_step.yaml.safe_load(report["profile"]))
+    config = gpu_step.model_of(report)
+    for batch in {b for b, _, _ in measured}:
+        pairs = {(m, r): s for (b, m, r), s in measured.items() if b == batch}
+        if len(pairs) > 1:
+            chosen = gpu_step.planner_pick(config, profile, report["seq_len"], batch, list(pairs))
+            assert pairs[chosen] == min(pairs.values())
