@@ -7,8 +7,12 @@ from here, so the three cannot disagree.
 from __future__ import annotations
 
 import math
+from importlib import metadata
 
 _MIB = 1 << 20
+# The XLA whose programs the cost model predicts: the installed jaxlib's (a benchmark repricing programs
+# another version compiled sets this to that version).
+JAXLIB = metadata.version("jaxlib")
 # XLA compares a reduce-scatter's combine threshold with the scattered block, so a threshold of one
 # gathered layer would merge several layers' gradients into one collective that nothing can hide;
 # 32 MiB keeps them per layer (benchmarks/results/xla_overlap_a100-sxm-80x1024_20261126-2229.md).
@@ -41,3 +45,15 @@ def selects_in_place(platform: str) -> bool:
     XLA:CPU materialises the new moments before the select, so old and new are alive together.
     """
     return platform != "cpu"
+
+
+def widens_16bit_dots(platform: str, jaxlib: str | None = None) -> bool:
+    """Whether XLA runs 16-bit dots in fp32 on `platform`, and so holds fp32 copies of their operands.
+
+    XLA:CPU before jaxlib 0.11 has no 16-bit dot: its float normalisation converts the operands (the
+    saved residuals and stored 16-bit P blocks among them) to fp32 copies. From 0.11 XLA:CPU runs them
+    in bf16 (the same mixed-precision steps compile to 0.53-0.87x the memory of 0.10.2's, fp32 steps
+    unchanged: benchmarks/results/memory_matrix_cpu8_*); a GPU always runs them in 16 bit.
+    """
+    version = tuple(int(part) for part in (jaxlib or JAXLIB).split(".")[:2] if part.isdigit())
+    return platform == "cpu" and version < (0, 11)

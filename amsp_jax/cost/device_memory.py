@@ -8,7 +8,7 @@ from collections import Counter
 
 import jax.numpy as jnp
 
-from amsp_jax.core import schedule
+from amsp_jax.core import backend, schedule
 from amsp_jax.core.mesh import AxisPlan, LeafLayout
 from amsp_jax.cost.traffic import schedule_leaf
 from amsp_jax.cost.workload import FP32, Workload
@@ -121,12 +121,12 @@ class Memory:
 def activation_itemsize(workload: Workload) -> int:
     """Bytes per element of the activations the step holds on its backend.
 
-    XLA:CPU runs 16-bit dots in fp32: its float normalisation converts their operands, the saved
-    residual stacks included, to fp32 copies, so a CPU step holds its activations in fp32; a GPU holds
-    them in the compute dtype.
+    Where XLA runs 16-bit dots in fp32 (`backend.widens_16bit_dots`: XLA:CPU before jaxlib 0.11) its
+    float normalisation converts their operands, the saved residual stacks included, to fp32 copies,
+    so the step holds its activations in fp32; elsewhere it holds them in the compute dtype.
     """
     act = workload.precision.param_bytes
-    return max(act, FP32) if workload.platform == "cpu" else act
+    return max(act, FP32) if backend.widens_16bit_dots(workload.platform) else act
 
 
 def attention_kind(workload: Workload) -> str:
@@ -241,8 +241,8 @@ def _leaf_sums(axes: AxisPlan, workload: Workload) -> Counter[str]:
     gathered_bytes = workload.wire_bytes(p_bytes)
     reduce_bytes = workload.wire_bytes(workload.precision.reduce_bytes)
     g_bytes = jnp.dtype(schedule.grad_dtype(workload.micro_batches, workload.precision.reduce_dtype)).itemsize
-    # XLA:CPU converts a stored 16-bit P block to fp32 once and holds the copy all step: its dots run
-    # in fp32 and its collectives move fp32 (`Workload.min_collective_itemsize`).
+    # Where XLA widens 16-bit dots (`backend.widens_16bit_dots`) it converts a stored 16-bit P block to
+    # fp32 once and holds the copy all step.
     copy_bytes = FP32 if activation_itemsize(workload) > p_bytes else 0
     sums: Counter[str] = Counter()
     stored = not schedule.params_from_master(axes.strategy)
