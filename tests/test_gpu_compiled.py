@@ -154,18 +154,15 @@ def _nonzero(totals: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
 
 # Plans whose compiled bytes equal the prediction per kind and level (bf16 on the wire: mixed precision).
 EXACT = [("h100-sxm", "zero3", 3), ("h100-sxm", "zero1", 3)]
-# With the plans of the memory test (which checks their bytes too), every preset at M = 1 and 3 and
-# six placements that are none of them.
+# With the plans of the memory test (which checks their bytes too) and `EXACT`: ddp, zero3 and mics at
+# M = 1 and 3, zero1 and zero2 at 3 (`hsdp` is `mics` of one node), and five placements that are none
+# of them.
 SWEEP = [
     ("h100-sxm", "ddp", 3),
     ("h100-sxm", "zero2", 3),
-    ("h100-sxm", "hsdp", 3),
-    ("a100-sxm-80", "zero1", 1),
     ("a100-sxm-80", "mics", 1),
-    ("a100-sxm-80", "hsdp", 1),
     ("h100-sxm", "p=1x1,g=8x1,os=8x2", 3),
     ("h100-sxm", "p=8x1,g=8x2,os=8x2", 3),
-    ("a100-sxm-80", "p=2x1,g=2x1,os=8x1", 3),
     ("a100-sxm-80", "p=1x1,g=4x1,os=8x2", 1),
 ]
 
@@ -209,15 +206,13 @@ def test_compiled_bytes_equal_predicted_for_more_plans(target, strategy, micro_b
 WIDE = LlamaConfig(
     vocab_size=4096, dim=1024, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=2816, max_seq_len=1024
 )
-# Every preset, other placements, micro-batches and remat policies. Measured, compiled ÷ predicted:
+# Presets, other placements, micro-batches and remat policies. Measured, compiled ÷ predicted:
 # 0.92-1.08 for these; P replicated with micro-batches runs higher on this model (zero2 at M = 3:
 # 1.16; at LLaMA-7B on 1,024 A100s 1.03), which is why no such row is here.
 MEMORY_PLANS = [
     ("a100-sxm-80", "ddp", 1, "full"),
     ("h100-sxm", "zero1", 3, "full"),
-    ("a100-sxm-80", "zero2", 1, "full"),
     ("h100-sxm", "zero3", 1, "full"),
-    ("h100-sxm", "zero3", 3, "full"),
     ("h100-sxm", "zero3", 1, "dots"),
     ("a100-sxm-80", "mics", 3, "full"),
     ("a100-sxm-80", "p=2x1,g=8x1,os=8x2", 1, "full"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,12 +22,13 @@ from flax import traverse_util
 from amsp_jax.core.leaf import Leaf
 from amsp_jax.errors import AmspError
 from amsp_jax.layers.stack import (
+    AbstractCall,
     LayerStack,
     Path,
     _is_lifted,
     _shapes,
     _split_static,
-    backward_unused,
+    abstract_call,
     is_opaque,
     opaque,
     recording_stacks,
@@ -65,13 +67,29 @@ def as_example(example: Example | tuple[Any, ...]) -> Example:
 @dataclasses.dataclass(frozen=True)
 class BlockCall:
     """One call of a module seen while tracing `init`: its path, class and per-call parameter shapes,
-    the parameters its backward pass does not read (see `backward_unused`), its first input's shape."""
+    its first input's shape, and the call as shapes, from which the parameters its backward pass does
+    not read are found when asked (`backward_unused`)."""
 
     path: Path
     cls: type
     shapes: dict[Path, tuple[int, ...]]
-    backward_unused: frozenset[Path] = frozenset()
+    call: AbstractCall | None = None
     input_shape: tuple[int, ...] | None = None
+    # Per recording: the answer for calls with equal keys (a loop's blocks, their inner modules).
+    known: dict[Any, frozenset[Path]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    @functools.cached_property
+    def backward_unused(self) -> frozenset[Path]:
+        """The parameters (per-call paths) the call's backward pass does not read; traced only for the
+        calls that become blocks, once per distinct key: a model's 24 equal blocks are traced once."""
+        if self.call is None:
+            return frozenset()
+        key = self.call.key
+        if key is None:
+            return self.call.backward_unused()
+        if key not in self.known:
+            self.known[key] = self.call.backward_unused()
+        return self.known[key]
 
 
 def first_shape(inputs: Any) -> tuple[int, ...] | None:
@@ -130,9 +148,7 @@ def _uses(jaxpr: jax_core.Jaxpr, var: Any, data: set[Any]) -> set[str]:
     return found
 
 
-def looked_up_leaves(
-    model: Any, abstract_params: Any, example: Example | tuple[Any, ...]
-) -> frozenset[Path]:
+def looked_up_leaves(model: Any, abstract_params: Any, example: Example | tuple[Any, ...]) -> frozenset[Path]:
     """Paths of the parameters the forward pass only looks up (an untied input embedding): rows picked
     at the inputs' positions, never multiplied, so their FLOPs are not a matmul's. A weight indexed at
     fixed positions (a layer of a stack picked in a loop) is not one. Read off the forward program
@@ -162,6 +178,7 @@ def recording_calls(stack_unused: dict[Path, frozenset] | None = None) -> Iterat
     LayerStack's layer parameters that its backward pass does not read."""
     calls: list[BlockCall] = []
     stack_unused = {} if stack_unused is None else stack_unused
+    known: dict[Any, frozenset[Path]] = {}
 
     def record(next_fun: Callable[..., Any], args: Any, kwargs: Any, info: Any) -> Any:
         out = next_fun(*args, **kwargs)
@@ -180,9 +197,9 @@ def recording_calls(stack_unused: dict[Path, frozenset] | None = None) -> Iterat
                 with opaque():
                     return template.apply({"params": weights}, *inputs[0], **inputs[1])
 
-            unused = backward_unused(run, params, (args, kwargs)) if params else frozenset()
+            call = abstract_call(run, params, (args, kwargs), template.clone(name=None)) if params else None
             shape = first_shape(args)
-            calls.append(BlockCall(tuple(module.path), type(module), _shapes(params), unused, shape))
+            calls.append(BlockCall(tuple(module.path), type(module), _shapes(params), call, shape, known))
         return out
 
     with stack_unused_recorder(stack_unused), nn.intercept_methods(record):
@@ -218,9 +235,12 @@ def find_blocks(
 
     def stacked(call: BlockCall) -> bool:
         full = stored_under(call.path)
-        return bool(call.shapes) and full.keys() == call.shapes.keys() and all(
-            len(full[k]) == len(s) + 1 and full[k][1:] == s for k, s in call.shapes.items()
-        ) and len({full[k][0] for k in full}) == 1
+        return (
+            bool(call.shapes)
+            and full.keys() == call.shapes.keys()
+            and all(len(full[k]) == len(s) + 1 and full[k][1:] == s for k, s in call.shapes.items())
+            and len({full[k][0] for k in full}) == 1
+        )
 
     found: dict[Path, Found] = {}
     siblings: dict[tuple[Path, type, tuple[Any, ...]], dict[Path, Found]] = {}

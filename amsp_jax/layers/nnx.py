@@ -26,7 +26,7 @@ from flax import nnx, traverse_util
 from amsp_jax.layers.discovery import BlockCall, Example, Found, find_blocks, first_shape
 from amsp_jax.layers.stack import (
     StackOps,
-    backward_unused,
+    abstract_call,
     current_context,
     gathered_call,
     is_opaque,
@@ -78,9 +78,8 @@ def _recorder(calls: list[BlockCall]) -> type[nnx.Module]:
             if not is_opaque():
                 params, rest, run = _params_run(self.block)
                 shapes = {p: tuple(x.shape) for p, x in traverse_util.flatten_dict(params).items()}
-                unused = backward_unused(run, params, (args, kwargs, rest))
-                shape = first_shape(args)
-                calls.append(BlockCall(self.path, type(self.block), shapes, unused, shape))
+                call = abstract_call(run, params, (args, kwargs, rest))
+                calls.append(BlockCall(self.path, type(self.block), shapes, call, first_shape(args)))
             return self.block(*args, **kwargs)
 
     return Recorded
@@ -119,11 +118,11 @@ class NnxModel:
         if context is not None and context.blocks:
             blocks = context.blocks
             module = nnx.recursive_map(
-                lambda path, node: _Gathered(
-                    node, blocks[tuple(path)], context.remat, tuple(path) in context.prefetch
-                )
-                if tuple(path) in blocks
-                else node,
+                lambda path, node: (
+                    _Gathered(node, blocks[tuple(path)], context.remat, tuple(path) in context.prefetch)
+                    if tuple(path) in blocks
+                    else node
+                ),
                 module,
             )
         return module(*inputs, **kwargs)
@@ -146,9 +145,7 @@ class NnxModel:
 
         def call(params: Any) -> Any:
             module = nnx.recursive_map(
-                lambda path, node: recorded(node, tuple(path))
-                if path and candidate(node)
-                else node,
+                lambda path, node: recorded(node, tuple(path)) if path and candidate(node) else node,
                 self.module(params),
             )
             return example.call(module)

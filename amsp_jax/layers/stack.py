@@ -42,6 +42,8 @@ def first_layer_scope(leaf: tuple[str, ...]) -> str:
     """The name scope of the once-per-step collectives of a kept first layer's `leaf` (its path)."""
     module = leaf[: leaf.index(STACK_PARAM)] if STACK_PARAM in leaf else leaf[:-1]
     return "/".join((*map(str, module), FIRST_LAYER_SCOPE))
+
+
 Path = tuple[str, ...]
 
 
@@ -436,24 +438,62 @@ def backward_unused(run: Callable[[Any, Any], Any], weights: Any, inputs: Any) -
     the schedule must not count it. Read off the backward program's dependencies (abstract shapes
     only; nothing runs).
     """
+    return abstract_call(run, weights, inputs).backward_unused()
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractCall:
+    """A call `run(weights, inputs)` kept as shapes: what `backward_unused` traces, and a key equal for
+    calls whose backward programs are the same (one module class and configuration, the same weight
+    and input shapes and the same static inputs), or None where an input cannot be compared."""
+
+    run: Callable[[Any, Any], Any]
+    weights: Any
+    arrays: list[Any]
+    rebuild: Callable[[list[Any]], Any]
+    key: Any
+
+    def backward_unused(self) -> frozenset[Path]:
+        """See `backward_unused`."""
+
+        def apply(weights: Any, arrays: list[Any]) -> Any:
+            return self.run(weights, self.rebuild(arrays))
+
+        try:
+            out = jax.eval_shape(apply, self.weights, self.arrays)
+            if not all(jnp.issubdtype(o.dtype, jnp.floating) for o in jax.tree.leaves(out)):
+                return frozenset()
+            backward = lambda w, a, cot: jax.vjp(apply, w, a)[1](cot)  # noqa: E731
+            jaxpr = jax.make_jaxpr(backward)(self.weights, self.arrays, out).jaxpr
+        except Exception:  # a block that needs what an abstract trace lacks (an RNG stream): count all
+            return frozenset()
+        paths = list(_shapes(self.weights))  # in flattening order, as the program's inputs
+        live = _live_inputs(jaxpr)
+        return frozenset(p for p, used in zip(paths, live, strict=False) if not used)
+
+
+def abstract_call(
+    run: Callable[[Any, Any], Any], weights: Any, inputs: Any, config: Any = None
+) -> AbstractCall:
+    """`run(weights, inputs)` as shapes (tracers of an enclosing trace are not kept); `config`: what
+    else decides the program (a linen module without its name), part of the key; without it no key."""
     arrays, rebuild = _split_static(inputs)
     abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)  # noqa: E731
     weights, arrays = abstract(weights), abstract(arrays)
-
-    def apply(weights: Any, arrays: list[Any]) -> Any:
-        return run(weights, rebuild(arrays))
-
+    static = [x for x in jax.tree.leaves(inputs) if not isinstance(x, jax.Array | np.ndarray)]
+    key: Any = (
+        config,
+        jax.tree.structure(inputs),
+        tuple((a.shape, a.dtype) for a in arrays),
+        tuple(static),
+        tuple(_shapes(weights).items()),
+        tuple(str(w.dtype) for w in jax.tree.leaves(weights)),
+    )
     try:
-        out = jax.eval_shape(apply, weights, arrays)
-        if not all(jnp.issubdtype(o.dtype, jnp.floating) for o in jax.tree.leaves(out)):
-            return frozenset()
-        backward = lambda w, a, cot: jax.vjp(apply, w, a)[1](cot)  # noqa: E731
-        jaxpr = jax.make_jaxpr(backward)(weights, arrays, out).jaxpr
-    except Exception:  # a block that needs what an abstract trace lacks (an RNG stream): count all
-        return frozenset()
-    paths = list(_shapes(weights))  # in flattening order, as the program's inputs
-    live = _live_inputs(jaxpr)
-    return frozenset(p for p, used in zip(paths, live, strict=False) if not used)
+        hash(key)
+    except TypeError:
+        key = None
+    return AbstractCall(run, weights, arrays, rebuild, None if config is None else key)
 
 
 def _shapes(tree: Any) -> dict[Path, tuple[int, ...]]:
