@@ -357,6 +357,7 @@ def run(args: argparse.Namespace) -> int:
     """Measure and write the cluster YAML; then read it back with the planner's reader."""
     from tqdm import tqdm
 
+    sorted(parse_size(s) for s in args.sizes.split(","))  # bad sizes stop here, before the bar starts
     layout = _mesh(args)
     devices, nodes, per_node, _ = layout
     points = _points(args, devices, nodes, per_node)
