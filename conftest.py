@@ -32,6 +32,22 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
+# This host's profile (amsp_jax.cost.host_profile), where a CPU mesh is planned without a cluster
+# config: the suite's own cache, never the user's, holding the shipped cpu-sim as the profile of 2 x 4
+# devices, so what the tests plan does not hang on this machine; any other shape is refused rather than
+# measured for minutes. Processes the tests start inherit both settings.
+if "AMSP_JAX_PROFILE_DIR" not in os.environ:
+    _profiles = tempfile.mkdtemp(prefix="amsp-jax-test-profiles-")
+    os.environ["AMSP_JAX_PROFILE_DIR"] = _profiles
+    atexit.register(shutil.rmtree, _profiles, ignore_errors=True)
+    from amsp_jax.cost import host_profile
+
+    shutil.copy(
+        os.path.join(os.path.dirname(__file__), "amsp_jax", "configs", "clusters", "cpu-sim.yaml"),
+        host_profile.path(2, 4),
+    )
+os.environ["AMSP_JAX_HOST_PROFILE"] = "refuse"
+
 # Tests that compile the same plans' steps: tests/helpers.py caches a plan's trainer and its compiled
 # step per process, so these files run first, together, where xdist's worksteal gives one worker its
 # contiguous first share of the tests (a plan's audit then reuses the step its numerics test compiled).

@@ -178,7 +178,8 @@ def test_choose_takes_a_bare_cluster_and_a_batch_in_sequences_as_the_train_comma
     assert isinstance(plan, aj.Plan) and (plan.cluster.nodes, plan.cluster.devices_per_node) == (2, 4)
     assert plan.micro_batches in (1, 2)  # 16 sequences over 8 devices: 2 each, in 1 or 2 micro-batches
     plan.strategy.validate(Cluster(2, 4))
-    assert plan.memory_limit == load_cluster("cpu-sim").memory_limit  # a bare cluster plans on cpu-sim
+    # A bare cluster plans on this host's profile: the suite's stands in as cpu-sim (conftest.py).
+    assert plan.memory_limit == load_cluster("cpu-sim").memory_limit
 
 
 def test_amsp_setting_is_solved_and_fits():

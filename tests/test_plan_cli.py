@@ -2,8 +2,10 @@
 
 import dataclasses
 import json
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -16,7 +18,7 @@ from amsp_jax import cost
 from amsp_jax.cli import main, probe
 from amsp_jax.cli.rates import PASS_SIZES
 from amsp_jax.compiled import audit
-from amsp_jax.cost import timing
+from amsp_jax.cost import host_profile, timing
 from amsp_jax.cost.hardware import FLAT, KINDS, LEVELS, MATMUL_DTYPES, ClusterConfigError, from_dict, load
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from tests.train_helpers import REPO, child_env
@@ -25,6 +27,7 @@ AMSP = [
     "--cluster", "configs/clusters/a800-8x-ib800.yaml", "--nodes", "128",
     "--seq-len", "4096", "--global-batch-tokens", "4194304",
 ]  # fmt: skip
+SMALL_BATCH = ["--seq-len", "64", "--global-batch-tokens", "4096"]
 ROW_KEYS = {
     "name", "strategy", "micro_batch_size", "micro_batches", "remat", "step_time_s", "mfu",
     "memory_bytes_per_device", "bytes_per_device", "feasible",
@@ -87,33 +90,90 @@ def test_plan_fails_clearly_when_nothing_fits(capsys):
     assert "no plan fits" in err and "GiB per device" in err and "would fit" in err
 
 
+def test_plan_says_where_and_when_its_cluster_config_was_measured(capsys):
+    args = ["--model", "tiny", "--cluster", "cpu-sim", *SMALL_BATCH]
+    assert main(["plan", *args]) == 0
+    line = "cpu-sim: profiled on a 2-core, 23 GiB x86_64 VM, 2026-11-25 22:51 UTC, jax 0.10.2; not this host"
+    assert line in capsys.readouterr().out
+    assert plan_json(capsys, *args)["measured_on"]["date"] == "2026-11-25 22:51 UTC"
+    # A config from datasheets says nothing of where it was measured.
+    assert "profiled on" not in plan_json(capsys, "--model", "llama-7b", *AMSP)
+
+
+def test_a_cpu_mesh_without_a_profile_of_this_host_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(host_profile.DIRECTORY, str(tmp_path))
+    monkeypatch.setenv(host_profile.MODE, "refuse")
+    args = ["plan", "--model", "tiny", "--cluster", "host", *SMALL_BATCH]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no profile of this host for 2x4 CPU devices" in err
+    assert f"amsp-jax profile --nodes 2 --out {host_profile.path(2, 4)}" in err
+
+
+def test_a_cpu_mesh_is_priced_with_this_hosts_profile_measured_once(tmp_path, monkeypatch, capsys):
+    """Without a cached profile the plan says what it will measure and for how long, runs the profile
+    (here a stand-in that writes cpu-sim under this host's name), caches it, and reads it from the cache
+    the next time."""
+    monkeypatch.setenv(host_profile.DIRECTORY, str(tmp_path))
+    monkeypatch.setenv(host_profile.MODE, "measure")
+    runs = []
+
+    def profile(command, env, check):
+        runs.append(command)
+        assert "--xla_force_host_platform_device_count=8" in env["XLA_FLAGS"]
+        out = command[command.index("--out") + 1]
+        values = yaml.safe_load((REPO / "configs/clusters/cpu-sim.yaml").read_text())
+        here = {"host": socket.gethostname(), "cpu": host_profile.cpu_model(), "jax": jax.__version__}
+        Path(out).write_text(yaml.safe_dump({**values, "name": "host", "measured_on": here}))
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(host_profile.subprocess, "run", profile)
+    args = ["plan", "--model", "tiny", "--cluster", "host", *SMALL_BATCH]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    minutes = host_profile.MINUTES_ON_TWO_CORES
+    assert f"measuring it now (about {minutes} minutes on 2 cores), once" in captured.err
+    assert "host: profiled on" in captured.out and "not this host" not in captured.out
+    assert len(runs) == 1 and host_profile.path(2, 4).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [host_profile.path(2, 4).name]  # no partial file
+    assert main(args) == 0
+    assert len(runs) == 1 and "measuring" not in capsys.readouterr().err
+    # The key names the host, its CPU, the mesh and jax.
+    key = host_profile.key(2, 4)
+    assert key.startswith(socket.gethostname().lower()) and f"_cpu2x4_jax{jax.__version__}" in key
+
+
 def test_profile_writes_a_cluster_config_the_planner_reads(tmp_path, capsys):
     out = tmp_path / "measured.yaml"
-    args = ["profile", "--out", str(out), "--sizes", "4KiB,16KiB", "--repeats", "1", "--no-passes"]
+    args = ["profile", "--out", str(out), "--sizes", "4KiB", "--repeats", "1", "--no-passes"]
     assert main(args) == 0
     config = load(out)
     assert (config.nodes, config.devices_per_node) == (2, 4)
     for kind in KINDS:
         for level in (*LEVELS, FLAT):
-            assert config.bandwidth[(kind, level)].sizes == (4096.0, 16384.0)
+            assert config.bandwidth[(kind, level)].sizes == (4096.0,)
     assert config.flat_ring == (8, 2)  # one ring over both simulated nodes
     # Pairs inside a node, the one smaller group that divides a node of 4 (2 nodes: no smaller one).
     assert {key: table.sizes for key, table in config.group_bandwidth.items()} == {
-        (kind, "intra", 2): (4096.0, 16384.0) for kind in KINDS
+        (kind, "intra", 2): (4096.0,) for kind in KINDS
     }
     assert config.peak_flops > 0 and config.collective_min_itemsize == 4
-    # The matmul sweep over tokens, per compute dtype and width: slower over 2 tokens than over 2048.
+    # The default matmul sweep over tokens, per compute dtype and width: slower over 8 tokens than 2048.
     for dtype in MATMUL_DTYPES:
         tables = config.matmul_rates[dtype].tables
-        sweep = (2, 8, 32, 128, 512, 2048)
-        assert {w: t.sizes for w, t in tables.items()} == dict.fromkeys((128, 256, 512), sweep)
+        assert {w: t.sizes for w, t in tables.items()} == dict.fromkeys((128, 512), (8, 128, 2048))
         for width in tables:
-            assert config.matmul_rate(2, dtype, width) < config.matmul_rate(2048, dtype, width)
+            assert config.matmul_rate(8, dtype, width) < config.matmul_rate(2048, dtype, width)
+    # Where and when it was measured, which `plan` prints.
+    assert config.measured_on["host"] == socket.gethostname()
+    assert config.measured_on["jax"] == jax.__version__ and config.measured_on["date"].endswith("UTC")
+    assert host_profile.is_this_host(config.measured_on)
     # Memory passes by buffer size: the rows the time model reads.
     assert config.memory_bandwidths.sizes == tuple(float(n) for n in PASS_SIZES)
     assert config.pass_speed(PASS_SIZES[-1]) == pytest.approx(1.0)
     assert config.memory_passes is None and not config.overlap_enabled
-    assert "wrote" in capsys.readouterr().out
+    output = capsys.readouterr().out
+    assert f"about {host_profile.MINUTES_ON_TWO_CORES} minutes" in output and "wrote" in output
 
 
 @pytest.mark.slow
@@ -252,12 +312,12 @@ def test_profile_writes_the_matmul_rates_the_probe_steps_ran_at(tmp_path, monkey
 
     swept = {dtype: {128: [(2, 1e9), (64, 4e9)], 512: [(2, 2e9), (64, 8e9)]} for dtype in MATMUL_DTYPES}
     measured = (8e9, 1e9, swept, [(2**20, 1e9)])  # peak, bandwidth, matmul rates, memory passes
-    monkeypatch.setattr(profile, "measure_compute", lambda devices, repeats: measured)
-    monkeypatch.setattr(probe, "run_probes", lambda config, repeats: [])
+    monkeypatch.setattr(profile, "measure_compute", lambda devices, repeats, thorough, tick: measured)
+    monkeypatch.setattr(probe, "run_probes", lambda config, repeats, **kwargs: [])
     fitted = probe.Passes(dict.fromkeys(probe.BLOCKS, 1.0), 2e9, 0.004, 0.0, compute_scale=2.0)
     monkeypatch.setattr(probe, "fit", lambda probes, speed: fitted)
     out = tmp_path / "measured.yaml"
-    assert main(["profile", "--out", str(out), "--sizes", "4KiB", "--repeats", "1"]) == 0
+    assert main(["profile", "--out", str(out), "--sizes", "4KiB", "--repeats", "1", "--no-progress"]) == 0
     config = load(out)
     for dtype in MATMUL_DTYPES:
         assert config.matmul_rate(64, dtype, 128) == pytest.approx(2e9)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from amsp_jax.core.config_files import shipped
 from amsp_jax.core.plan import REMAT_POLICIES
+from amsp_jax.cost import host_profile
+from amsp_jax.cost.hardware import ClusterConfig
 from amsp_jax.cost.optimizer import KINDS
 from amsp_jax.cost.trace import from_entry_point
 from amsp_jax.models.llama import llama_spec
@@ -24,7 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"model YAML, a shipped model ({models}), or any Flax model from a Python entry point "
         "module:function or file.py:function returning (model, example_inputs)",
     )
-    parser.add_argument("--cluster", required=True, help=f"cluster YAML, or a shipped cluster: {clusters}")
+    parser.add_argument(
+        "--cluster",
+        required=True,
+        help=f"cluster YAML, a shipped cluster ({clusters}), or host: this host's CPU mesh of --nodes x 4 "
+        "devices, priced with its own profile (measured on first use, then cached)",
+    )
     parser.add_argument("--nodes", type=int, help="number of nodes (default: the cluster config's)")
     parser.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     parser.add_argument("--global-batch-tokens", type=int, required=True, help="tokens per optimizer step")
@@ -95,6 +102,17 @@ def format_table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def provenance(hardware: ClusterConfig) -> str:
+    """Where and when the cluster config was measured, and, for a CPU profile of another host, that it
+    prices that host ('' for a config that does not say, as the datasheet-built GPU ones)."""
+    if not hardware.provenance:
+        return ""
+    line = f"{hardware.name}: {hardware.provenance}"
+    if hardware.platform == "cpu" and not host_profile.is_this_host(hardware.measured_on):
+        line += f"; not this host: --cluster {host_profile.HOST} prices with this host's own profile"
+    return line
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan (or evaluate `--strategy`), print the chosen plan beside the presets.
 
@@ -130,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
                     "seq_len": request.seq_len,
                     "global_batch_tokens": request.global_batch_tokens,
                     "memory_limit_bytes": hardware.memory_limit,
+                    "measured_on": dict(hardware.measured_on or {}),
                     "solve_time_s": solve_time,
                     "optimizer": args.optimizer,
                     "chosen": chosen.as_dict(),
@@ -150,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
             f"memory per device: {hardware.memory_limit / GIB:.1f} GiB usable; 'chosen' {what} in "
             f"{solve_time:.2f} s"
         )
+        if where := provenance(hardware):
+            print(where)
         print()
         print(format_table([_row(chosen), *(_row(r) for r in rows)]))
         if args.optimizer != "adam":

@@ -1,20 +1,20 @@
 """Memory passes of the step, measured on probe models: what `amsp-jax profile` adds for the time model.
 
 A step's memory-bound kernels (casts, gradient sinks, the optimizer update, the copies around
-collectives) read and write each state block a number of times that depends on the backend's
-fusion, not on the model. The profile compiles the real step for four probe LLaMA shapes under
-several placements, reads the bytes those kernels touch from each compiled program
-(`amsp_jax.compiled.hlo.memory_traffic`), and solves for the bytes per byte of each block: the stored P
-block, the G block, the fp32 master, all parameters (the gathered weights and full-size gradients
-every placement handles) and the activations. Timing the same steps, in rounds over all of them,
-then gives the bandwidth those kernels reach while the step runs (each block at its size's speed,
-`ClusterConfig.pass_speed`), a fixed cost per step (dispatch, the loss reduction), what a P stored
-apart from the master costs and what a split collective's rounded intermediate results cost (zero3
-is timed flat and split), once collectives are priced with the tables just measured; the fit weighs
-each probe by its relative error. Compute is priced with the matmul rates just measured too, times one
-factor the fit finds (`Passes.compute_scale`): the sweep times bare matmuls minutes before the probes
-run, and on a shared host the steps' matmuls may run well off the sweep's rates; taken as exact, that
-error would land in the pass bandwidth. The profile writes the sweep's rates divided by the factor:
+collectives) read and write each state block a number of times that depends on the backend's fusion, not
+on the model. The profile compiles the real step for four probe LLaMA shapes under several placements
+(`probe_steps`: 8 steps by default, all 32 with `--thorough`), reads the bytes those kernels touch from
+each compiled program (`amsp_jax.compiled.hlo.memory_traffic`), and solves for the bytes per byte of
+each block: the stored P block, the G block, the fp32 master, all parameters (the gathered weights and
+full-size gradients every placement handles) and the activations. Timing the same steps, in rounds over
+all of them, then gives the bandwidth those kernels reach while the step runs (each block at its size's
+speed, `ClusterConfig.pass_speed`), a fixed cost per step (dispatch, the loss reduction), what a P
+stored apart from the master costs and what a split collective's rounded intermediate results cost
+(zero3 is timed flat and split), once collectives are priced with the tables just measured; the fit
+weighs each probe by its relative error. Compute is priced with the matmul rates just measured too,
+times one factor the fit finds (`Passes.compute_scale`): the sweep times bare matmuls minutes before the
+probes run, and on a shared host the steps' matmuls may run well off the sweep's rates; taken as exact,
+that error would land in the pass bandwidth. The profile writes the sweep's rates divided by the factor:
 what the steps ran at.
 
 The update's passes belong to the optimizer as much as to the backend: the probes run the
@@ -24,9 +24,11 @@ examples' AdamW chain (global-norm clipping, then AdamW), fp32 master and moment
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -40,6 +42,20 @@ PROBE_PLACEMENTS = (
     ("p=1x1,g=4x1,os=4x1", False),
     ("p=2x1,g=4x2,os=4x2", False),
     ("zero3", True),
+)
+
+COMPILE_THREADS = 4  # at most: each compile holds a step's program and state in memory
+
+# The default profile's probe steps, per probe model (`_probe_models`): 7 flat steps whose blocks still
+# tell the five pass counts apart (a stored P in probe-a, -c and -d, G and OS sharded or not), the
+# fixed cost (probe-c), a stored P beyond the cache (probe-d zero1) and the compute scale (three
+# models), and one split/flat pair; every step compiles in about as long, so these are a quarter of
+# `--thorough`'s 32 (benchmarks/results/profile_time_*).
+DEFAULT_PROBES: tuple[tuple[tuple[str, bool], ...], ...] = (
+    (("ddp", False), ("zero1", False), ("zero3", False), ("zero3", True)),
+    (),
+    (("ddp", False), ("zero2", False)),
+    (("zero1", False), ("zero3", False)),
 )
 
 
@@ -118,12 +134,26 @@ def _compiled_probe(
         "other": estimate.time.compute_s + sum(estimate.time.exposed_s.values()) - rounding,
         "compute": estimate.time.compute_s,
         "rounded": rounded,
-        "step": step, "sharded": sharded, "state": trainer.init(jax.random.key(0), batch["inputs"]),
+        "step": step, "sharded": sharded, "state": _filled_state(trainer.abstract_state()),
         "times": [],
     }  # fmt: skip
 
 
-def _time_probes(compiled: list[dict[str, Any]], repeats: int) -> None:
+def _filled_state(abstract: Any) -> Any:
+    """A state of the step's shapes and shardings, every float 0.01 and every integer 0, put on the
+    devices from the host: the values do not change what a step costs, and compiling the state's
+    initialiser would cost as much as compiling the step."""
+    import jax
+    import jax.numpy as jnp
+
+    def filled(leaf: Any) -> Any:
+        value = 0.01 if jnp.issubdtype(leaf.dtype, jnp.floating) else 0
+        return jax.device_put(np.full(leaf.shape, value, leaf.dtype), leaf.sharding)
+
+    return jax.tree.map(filled, abstract)
+
+
+def _time_probes(compiled: list[dict[str, Any]], repeats: int, tick: Any = lambda kind: None) -> None:
     """Each probe's step times, in `repeats` rounds (at least two) over all of them: each round runs every
     probe once untimed and twice timed, so a slow spell of the machine falls on all of them alike."""
     import jax
@@ -136,27 +166,48 @@ def _time_probes(compiled: list[dict[str, Any]], repeats: int) -> None:
                 jax.block_until_ready((probe["state"], metrics))
                 if timed:
                     probe["times"].append(time.perf_counter() - start)
+            tick("timed")
 
 
-def run_probes(cluster_config: Any, repeats: int, say: Any = print) -> list[Probe]:
-    """Compile and read every probe step on this host's devices, then time them all in `repeats` rounds
-    (`_time_probes`); a probe's time is its median step."""
+def probe_steps(thorough: bool, nodes: int) -> list[tuple[Any, int, str, bool]]:
+    """(model, sequence length, placement, split) of each probe step: every placement of every probe
+    model where `thorough`, else the fewest that still tell each fitted number apart (module docstring;
+    benchmarks/results/profile_time_*)."""
+    models = _probe_models()
+    if thorough:
+        chosen = [(m, seq, name, split) for m, seq in models for name, split in PROBE_PLACEMENTS]
+    else:
+        chosen = [
+            (m, seq, name, split)
+            for (m, seq), placements in zip(models, DEFAULT_PROBES, strict=True)
+            for name, split in placements
+        ]
+    return [step for step in chosen if not (step[3] and nodes == 1)]  # one node: nothing to split
+
+
+def run_probes(
+    cluster_config: Any, repeats: int, say: Any = print, thorough: bool = False, tick: Any = lambda kind: None
+) -> list[Probe]:
+    """Compile and read the probe steps (`probe_steps`) on this host's devices, then time them all in
+    `repeats` rounds (`_time_probes`); a probe's time is its median step. `tick("compiled")` after each
+    step compiled, `tick("timed")` after each step timed in a round."""
     from amsp_jax.models.llama import Llama
 
     cluster = cluster_config.cluster()
-    compiled = []
-    for config, seq_len in _probe_models():
-        model = Llama(config)
+
+    def compile_one(step: tuple[Any, int, str, bool]) -> dict[str, Any] | None:
+        config, seq_len, name, split = step
         tokens = np.random.default_rng(0).integers(0, config.vocab_size, (cluster.num_devices, seq_len + 1))
         batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
-        for name, split in PROBE_PLACEMENTS:
-            if split and cluster.nodes == 1:
-                continue  # nothing to split
-            found = _compiled_probe(cluster_config, model, config, batch, name, split)
-            if found is not None:
-                compiled.append(found)
+        found = _compiled_probe(cluster_config, Llama(config), config, batch, name, split)
+        tick("compiled")
+        return found
+
+    # XLA compiles a program on one core: the steps compile side by side, one per core.
+    with ThreadPoolExecutor(max(1, min(os.cpu_count() or 1, COMPILE_THREADS))) as pool:
+        compiled = [found for found in pool.map(compile_one, probe_steps(thorough, cluster.nodes)) if found]
     say(f"  compiled {len(compiled)} probe steps; timing them in {max(2, repeats)} rounds")
-    _time_probes(compiled, repeats)
+    _time_probes(compiled, repeats, tick)
     probes = []
     for found in compiled:
         probes.append(Probe(found["label"], found["blocks"], found["traffic"], found["other"],

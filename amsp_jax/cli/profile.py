@@ -8,15 +8,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from amsp_jax.cli.rates import group_meshes, measure_collective, measure_compute
+from amsp_jax.cli.rates import compute_points, group_meshes, measure_collective, measure_compute
+from amsp_jax.cost import host_profile
 from amsp_jax.cost.hardware import FLAT, KINDS, LEVELS, format_size, load, parse_size
 
 DEFAULT_SIZES = "64KiB,1MiB,16MiB"
+# Wall minutes of a profile of 8 simulated devices on a 2-core host (benchmarks/results/profile_time_*).
+DEFAULT_MINUTES, THOROUGH_MINUTES = host_profile.MINUTES_ON_TWO_CORES, 15
+# The progress bar's units per point measured, per probe step compiled and per probe step timed in a
+# round: about their relative wall times on a 2-core host (benchmarks/results/profile_time_*).
+WEIGHTS = {"point": 1, "compiled": 10, "timed": 1}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-passes",
         action="store_true",
-        help="skip the probe steps that measure the step's memory passes (about two minutes on a CPU host)",
+        help="skip the probe steps that measure the step's memory passes (most of the profile's time)",
     )
+    parser.add_argument(
+        "--thorough",
+        action="store_true",
+        help=f"every matmul width and token count and every probe step (about {THOROUGH_MINUTES} minutes "
+        f"on a 2-core host, against {DEFAULT_MINUTES} by default)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _shape(devices: list, nodes: int | None) -> tuple[int, int]:
@@ -94,19 +110,27 @@ Tables = dict[str, dict[str, list[tuple[float, float]]]]
 
 
 def _collective_tables(
-    mesh: Any, devices: list, shape: tuple[int, int], sizes: list[float], repeats: int
+    mesh: Any, devices: list, shape: tuple[int, int], sizes: list[float], repeats: int,
+    tick: Callable[[int], object] = lambda n: None,
 ) -> tuple[Tables, dict[str, str]]:
-    """Bus bandwidths {kind: {level or group: [(size, bytes/s)]}} and a note per level on how each was got."""
+    """Bus bandwidths {kind: {level or group: [(size, bytes/s)]}} and a note per level on how each was
+    got; `tick(1)` after each point."""
     nodes, per_node = shape
     tables: Tables = {}
     notes: dict[str, str] = {}
     groups = group_meshes(devices, nodes, per_node)
+
+    def measure(sub: Any, kind: str, axis: str | tuple[str, ...], size: float) -> float:
+        found = measure_collective(sub, kind, axis, size, repeats)
+        tick(1)
+        return found
+
     # One device runs no collective: its config gets no bandwidth tables rather than invented ones, and
     # pricing a collective with it says so (`ClusterConfig.busbw`).
     for kind in KINDS if mesh.size > 1 else ():
         for level in LEVELS:
             if mesh.shape[level] > 1:
-                rows = [(size, measure_collective(mesh, kind, level, size, repeats)) for size in sizes]
+                rows = [(size, measure(mesh, kind, level, size)) for size in sizes]
                 notes[level] = f"measured over {mesh.shape[level]} devices"
             else:
                 other = "intra" if level == "inter" else "inter"
@@ -115,15 +139,11 @@ def _collective_tables(
             tables.setdefault(kind, {})[level] = rows
         for level, level_groups in groups.items():
             for group, sub in level_groups:
-                tables[kind][f"{level}/{group}"] = [
-                    (size, measure_collective(sub, kind, level, size, repeats)) for size in sizes
-                ]
+                tables[kind][f"{level}/{group}"] = [(size, measure(sub, kind, level, size)) for size in sizes]
                 notes[f"{level}/{group}"] = f"measured over groups of {group} devices, all at once"
         if nodes > 1 and per_node > 1:
             whole = ("inter", "intra")
-            tables[kind][FLAT] = [
-                (size, measure_collective(mesh, kind, whole, size, repeats)) for size in sizes
-            ]
+            tables[kind][FLAT] = [(size, measure(mesh, kind, whole, size)) for size in sizes]
             notes[FLAT] = f"measured over all {nodes * per_node} devices in one ring"
     return tables, notes
 
@@ -177,6 +197,11 @@ def _config_lines(name: str, m: _Measured) -> list[str]:
         "# nccl-tests bus bandwidth in GB/s by the bytes one device sends in one collective",
         "# (see amsp_jax/cost/hardware.py).",
         f"name: {name}",
+        "measured_on:     # where and when: these numbers price this host, and `amsp-jax plan` says so",
+        f"  host: {json.dumps(socket.gethostname())}",
+        f"  cpu: {json.dumps(host_profile.cpu_model())}",
+        f"  date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"  jax: {json.dumps(host_profile.jax_version())}",
         f"nodes: {m.nodes}",
         f"devices_per_node: {m.per_node}",
     ]
@@ -212,12 +237,15 @@ def _config_lines(name: str, m: _Measured) -> list[str]:
     return lines
 
 
-def _with_memory_passes(lines: list[str], m: _Measured, config: Any) -> list[str]:
+def _with_memory_passes(
+    lines: list[str], m: _Measured, config: Any, thorough: bool, tick: Callable[[str], object], say: Any
+) -> list[str]:
     """`lines` with the probe steps' memory passes added and the matmul rates those steps ran at."""
     from amsp_jax.cli import probe
 
-    print("amsp-jax profile: probe steps for the memory passes", flush=True)
-    passes = probe.fit(probe.run_probes(config, m.repeats), config.pass_speed)
+    say("amsp-jax profile: probe steps for the memory passes")
+    found = probe.run_probes(config, m.repeats, say=say, thorough=thorough, tick=tick)
+    passes = probe.fit(found, config.pass_speed)
     # The rates the probe steps' matmuls ran at replace the sweep's (`Passes.compute_scale`).
     section = _matmul_lines(m.matmuls)
     start = lines.index(section[0])
@@ -232,7 +260,7 @@ def _with_memory_passes(lines: list[str], m: _Measured, config: Any) -> list[str
         f"  stored_params: {passes.stored_params:.4g}     # per fp32 parameter byte, P stored apart",
         f"  split_results: {passes.split_results:.4g}     # per byte a split's stages hand on",
     ]
-    print(f"  memory passes at {passes.bandwidth / 1e9:.3g} GB/s, {passes.step_overhead_s * 1e3:.3g} ms "
+    say(f"  memory passes at {passes.bandwidth / 1e9:.3g} GB/s, {passes.step_overhead_s * 1e3:.3g} ms "
           f"per step; bytes per block byte: "
           + ", ".join(f"{b} {c:.3g}" for b, c in passes.per_byte.items())
           + f" (compiled traffic within {passes.traffic_error:.0%}); a stored P "
@@ -258,15 +286,13 @@ def _print_summary(out: Path, config: Any, m: _Measured) -> None:
     )
 
 
-def _measure(args: argparse.Namespace) -> _Measured:
-    """Every table and rate of the cluster YAML, measured on this host's devices."""
-    import jax
+def _mesh(args: argparse.Namespace) -> tuple[list, int, int, Any]:
+    """This host's devices, laid out as nodes × devices per node, and that mesh."""
     import numpy as np
     from jax.sharding import AxisType, Mesh
 
     from amsp_jax.core.mesh import ordered_devices
 
-    sizes = sorted(parse_size(s) for s in args.sizes.split(","))
     devices = ordered_devices()
     nodes, per_node = _shape(devices, args.nodes)
     mesh = Mesh(
@@ -274,8 +300,54 @@ def _measure(args: argparse.Namespace) -> _Measured:
         ("inter", "intra"),
         axis_types=(AxisType.Auto, AxisType.Auto),
     )
-    tables, notes = _collective_tables(mesh, devices, (nodes, per_node), sizes, args.repeats)
-    flops, hbm, matmuls, memory_rates = measure_compute(devices, args.repeats)
+    return devices, nodes, per_node, mesh
+
+
+def _points(args: argparse.Namespace, devices: list, nodes: int, per_node: int) -> dict[str, int]:
+    """How many points each part of the profile measures."""
+    from amsp_jax.cli import probe
+
+    sizes = len(args.sizes.split(","))
+    tables = 0
+    if len(devices) > 1:
+        tables = sum(count > 1 for count in (nodes, per_node)) + (nodes > 1 and per_node > 1)
+        tables += sum(len(g) for g in group_meshes(devices, nodes, per_node).values())
+    steps = 0 if len(devices) == 1 or args.no_passes else len(probe.probe_steps(args.thorough, nodes))
+    return {
+        "collective points": len(KINDS) * tables * sizes,
+        "compute points": compute_points(devices[0].platform == "cpu", args.thorough),
+        "probe steps": steps,
+    }
+
+
+def _work(points: dict[str, int], repeats: int) -> int:
+    """The progress bar's total, in `WEIGHTS` units: a probe step compiles and runs for far longer than
+    a collective's point is measured, so a bar that counted points would finish its first half fast."""
+    steps = points["probe steps"]
+    return (
+        (points["collective points"] + points["compute points"]) * WEIGHTS["point"]
+        + steps * WEIGHTS["compiled"]
+        + steps * max(2, repeats) * WEIGHTS["timed"]
+    )
+
+
+def _measure(
+    args: argparse.Namespace,
+    layout: tuple[list, int, int, Any],
+    tick: Callable[[int], object],
+    seconds: dict[str, float],
+) -> _Measured:
+    """Every table and rate of the cluster YAML, measured on this host's devices (`_mesh`); the wall
+    seconds of each part go into `seconds`."""
+    import jax
+
+    sizes = sorted(parse_size(s) for s in args.sizes.split(","))
+    devices, nodes, per_node, mesh = layout
+    start = time.perf_counter()
+    tables, notes = _collective_tables(mesh, devices, (nodes, per_node), sizes, args.repeats, tick)
+    seconds["collectives"] = time.perf_counter() - start
+    flops, hbm, matmuls, memory_rates = measure_compute(devices, args.repeats, args.thorough, tick)
+    seconds["compute"] = time.perf_counter() - start - seconds["collectives"]
     memory, memory_source = _device_memory(devices[0], len(devices) // max(1, jax.process_count()))
     return _Measured(devices, nodes, per_node, args.repeats, tables, notes, flops, hbm, matmuls,
                      memory_rates, memory, memory_source)  # fmt: skip
@@ -283,15 +355,40 @@ def _measure(args: argparse.Namespace) -> _Measured:
 
 def run(args: argparse.Namespace) -> int:
     """Measure and write the cluster YAML; then read it back with the planner's reader."""
-    measured = _measure(args)
+    from tqdm import tqdm
+
+    sorted(parse_size(s) for s in args.sizes.split(","))  # bad sizes stop here, before the bar starts
+    layout = _mesh(args)
+    devices, nodes, per_node, _ = layout
+    points = _points(args, devices, nodes, per_node)
+    minutes = THOROUGH_MINUTES if args.thorough else DEFAULT_MINUTES
+    print(
+        f"amsp-jax profile: {len(devices)} {devices[0].platform} device(s) as {nodes} x {per_node}: "
+        + ", ".join(f"{n} {part}" for part, n in points.items() if n)
+        + f"; about {minutes} minutes for 8 devices on a 2-core host"
+        + ("" if args.thorough else " (--thorough measures more)"),
+        flush=True,
+    )
+    bar = tqdm(total=_work(points, args.repeats), disable=args.no_progress, dynamic_ncols=True,
+               bar_format="{l_bar}{bar}| [{elapsed}<{remaining}]")  # fmt: skip
+    say = bar.write if not args.no_progress else print
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    measured = _measure(args, layout, lambda n: bar.update(n * WEIGHTS["point"]), seconds)
     lines = _config_lines(args.name, measured)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     config = load(out)
     if len(measured.devices) > 1 and not args.no_passes:
-        lines = _with_memory_passes(lines, measured, config)
+        passes_start = time.perf_counter()
+        tick = lambda kind: bar.update(WEIGHTS[kind])  # noqa: E731
+        lines = _with_memory_passes(lines, measured, config, args.thorough, tick, say)
+        seconds["probe steps"] = time.perf_counter() - passes_start
         out.write_text("\n".join(lines) + "\n")
         config = load(out)
+    bar.close()
     _print_summary(out, config, measured)
+    parts = ", ".join(f"{part} {s:.0f} s" for part, s in seconds.items())
+    print(f"  took {time.perf_counter() - start:.0f} s ({parts})")
     return 0

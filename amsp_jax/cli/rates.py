@@ -237,28 +237,48 @@ def _forward_and_backward(a: Any, b: Any) -> tuple[Any, Any]:
     return backward(y)
 
 
-def _matmul_sweep(on: _LocalSweep, widest: int) -> dict[str, dict[int, list[tuple[int, float]]]]:
+def sweep_points(cpu: bool, widest: int, thorough: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(tokens, widths) of the matmul sweep. The time model reads a rate per (tokens, width) between
+    rows, time affine in tokens and rate linear in log-width, so by default a few rows span what a
+    CPU mesh's small models run (the fixed cost per op at 8 tokens, its fall by 128, the large rate
+    at 2,048; the narrowest and widest layers); `thorough` measures the rows in between too."""
+    # An accelerator's micro-batches reach tens of thousands of tokens (8 sequences of 2,048).
+    tokens = (2, 8, 32, 128, 512, 2048) if thorough else (8, 128, 2048)
+    if not cpu:
+        return (*tokens, 8192, 16384), (widest // 2,)
+    # A CPU's small models have narrow layers, whose products run well below a 512-wide one's rate.
+    return tokens, (128, 256, widest // 2) if thorough else (128, widest // 2)
+
+
+def _matmul_sweep(
+    on: _LocalSweep, widest: int, thorough: bool, tick: Callable[[int], object]
+) -> dict[str, dict[int, list[tuple[int, float]]]]:
     """{dtype: {width: [(tokens, FLOP/s of a layer's three products of that width over that many
     tokens)]}}."""
     import jax.numpy as jnp
 
-    # An accelerator's micro-batches reach tens of thousands of tokens (8 sequences of 2,048).
-    tokens = (2, 8, 32, 128, 512, 2048) + (() if on.cpu else (8192, 16384))
-    # A CPU's small models have narrow layers, whose products run well below a 512-wide one's rate.
-    widths = (128, 256, widest // 2) if on.cpu else (widest // 2,)
+    tokens, widths = sweep_points(on.cpu, widest, thorough)
     points = [(dtype, w, t) for dtype in MATMUL_DTYPES for w in widths for t in tokens]
     if on.cpu:
         programs = [on.layer_program(t, w, jnp.dtype(dtype)) for dtype, w, t in points]
         seconds = _median_seconds_each(programs, on.repeats)
+        tick(len(points))
     else:
-        seconds = [
-            on.in_program_seconds(_forward_and_backward, on.random_operands(t, w, jnp.dtype(dtype)))
-            for dtype, w, t in points
-        ]
+        seconds = []
+        for dtype, w, t in points:
+            operands = on.random_operands(t, w, jnp.dtype(dtype))
+            seconds.append(on.in_program_seconds(_forward_and_backward, operands))
+            tick(1)
     sweep: dict[str, dict[int, list[tuple[int, float]]]] = {d: {w: [] for w in widths} for d in MATMUL_DTYPES}
     for (dtype, w, t), elapsed in zip(points, seconds, strict=True):
         sweep[dtype][w].append((t, 6 * t * w**2 / elapsed))
     return sweep
+
+
+def compute_points(cpu: bool, thorough: bool) -> int:
+    """How many points `measure_compute` measures (its progress bar's share)."""
+    tokens, widths = sweep_points(cpu, 1024 if cpu else 8192, thorough)
+    return 1 + len(MATMUL_DTYPES) * len(tokens) * len(widths) + len(PASS_SIZES) + (0 if cpu else 2)
 
 
 def _memory_rates(on: _LocalSweep) -> list[tuple[int, float]]:
@@ -275,7 +295,7 @@ def _memory_rates(on: _LocalSweep) -> list[tuple[int, float]]:
 
 
 def measure_compute(
-    devices: list, repeats: int
+    devices: list, repeats: int, thorough: bool = False, tick: Callable[[int], object] = lambda n: None
 ) -> tuple[float, float, dict[str, dict[int, list[tuple[int, float]]]], list[tuple[int, float]]]:
     """(large-matmul FLOP/s, memory bandwidth bytes/s, {dtype: {width: [(tokens, FLOP/s of a layer's
     matmuls of that width over that many tokens)]}}, [(bytes, bandwidth of an elementwise op writing
@@ -286,7 +306,8 @@ def measure_compute(
     products of its backward (the weight gradient contracts over the tokens), in each compute dtype:
     over the few dozen tokens one device runs at once, the tokens and the dtype decide most of a
     CPU's rate (XLA:CPU runs bf16 matmuls well below fp32 ones), and on a CPU the width too: widths
-    128, 256 and 512 there, since a narrow model priced at the widest rate is priced too fast. On an
+    128 to 512 there, since a narrow model priced at the widest rate is priced too fast
+    (`sweep_points`: which; `tick(n)` counts the points done). On an
     accelerator the sweep reaches 16,384 tokens and reads each point as the time one more product adds
     to a program (`_LocalSweep.in_program_seconds`), which is how the step runs its kernels.
     """
@@ -295,6 +316,8 @@ def measure_compute(
     on = _LocalSweep(devices, repeats)
     n = 1024 if on.cpu else 8192
     flops = on.forward_rate(n, n, jnp.float32 if on.cpu else jnp.bfloat16)
-    sweep = _matmul_sweep(on, n)
+    tick(1)
+    sweep = _matmul_sweep(on, n, thorough, tick)
     memory = _memory_rates(on)
+    tick(len(memory))
     return flops, memory[-1][1], sweep, memory

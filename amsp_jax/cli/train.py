@@ -33,7 +33,8 @@ OVERRIDES: dict[str, tuple[str, type, str]] = {
     "cluster": (
         "plan.cluster",
         str,
-        "NODESxDEVICES (e.g. 2x4), a cluster YAML or a shipped cluster's name; default: one node per process",
+        "NODESxDEVICES (e.g. 2x4), a cluster YAML, a shipped cluster's name, or host (this host's profile); "
+        "default: one node per process, on simulated CPUs 2 nodes priced with this host's profile",
     ),
     "steps": ("run.steps", int, "train until this many optimizer steps are done"),
     "global_batch": ("data.global_batch", int, "sequences per step over all devices"),

@@ -27,6 +27,7 @@ are read between and beyond their sizes are `amsp_jax.cost.bandwidth`'s.
                                   # [bytes per device, GB/s] of an elementwise op into a fresh buffer
     overlap: {enabled, reduction_fraction, interference}   # enabled: false where collectives block compute
     latency: {base_us, intra_hop_us, inter_hop_us}   # optional: NCCL-style ring latency per op
+    measured_on: {host, cpu, date, jax}   # optional, written by `amsp-jax profile`: where and when
     memory_passes: {bandwidth_gbps, step_overhead_ms, params, grads, opt_state, model, activations,
                     stored_params, split_results}
                                   # optional, written by `amsp-jax profile`: bytes the step's memory-bound
@@ -102,6 +103,9 @@ LEVELS = ("intra", "inter")
 # `ClusterConfig.collective_time` assumes the NICs and the node's links work side by side.
 FLAT = "flat"
 MATMUL_DTYPES = ("bfloat16", "float32")  # the compute dtypes of the `mixed` and `fp32` precisions
+MEASURED_ON_KEYS = ("host", "cpu", "date", "jax")  # the provenance `amsp-jax profile` writes
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
     """The hardware of a cluster: per-device memory and compute, and collective bandwidth tables."""
@@ -135,6 +139,19 @@ class ClusterConfig:
     memory_bandwidths: BandwidthTable | None = None
     # Tables of groups smaller than a level's own (`intra/2`), by (kind, level, devices in the group).
     group_bandwidth: Mapping[tuple[str, str, int], BandwidthTable] = dataclasses.field(default_factory=dict)
+    # Where and when `amsp-jax profile` measured the numbers (host, cpu, date, jax), since a profile
+    # prices the machine it was measured on and no other (none: a config written from datasheets).
+    measured_on: Mapping[str, str] | None = None
+
+    @property
+    def provenance(self) -> str:
+        """One line saying where and when the config was measured ('' where it does not say)."""
+        m = self.measured_on
+        if not m:
+            return ""
+        cpu = f" ({m['cpu']})" if m.get("cpu") else ""
+        where = f"{m.get('host', 'an unnamed host')}{cpu}"
+        return f"profiled on {where}, {m.get('date', 'undated')}, jax {m.get('jax', 'unknown')}"
 
     @property
     def platform(self) -> str:
@@ -295,7 +312,16 @@ def from_dict(values: Mapping[str, Any], where: str = "cluster config") -> Clust
         else BandwidthTable.from_rows(device["memory_bandwidths"], f"{where}: device.memory_bandwidths"),
         flat_ring=flat_ring,
         group_bandwidth=group_tables,
+        measured_on=_measured_on(values.get("measured_on"), where),
     )
+
+
+def _measured_on(section: Any, where: str) -> dict[str, str] | None:
+    if section is None:
+        return None
+    if not isinstance(section, Mapping) or set(section) - set(MEASURED_ON_KEYS):
+        raise ClusterConfigError(f"{where}: measured_on must be a mapping of {', '.join(MEASURED_ON_KEYS)}")
+    return {str(k): str(v) for k, v in section.items()}
 
 
 def _latency(latency: Any, where: str) -> dict[str, float]:
@@ -412,9 +438,13 @@ def load(path: str | Path) -> ClusterConfig:
 
 
 def for_cluster(cluster: Cluster) -> ClusterConfig:
-    """Hardware for a bare `Cluster`: the shipped cluster config of its name if any, else `cpu-sim`."""
-    config = load(cluster.name if cluster.name in config_files.shipped("clusters") else "cpu-sim")
-    return config.with_shape(cluster.nodes, cluster.devices_per_node)
+    """Hardware for a bare `Cluster`: the shipped cluster config of its name if any, else this host's
+    profile of that CPU mesh (`amsp_jax.cost.host_profile`: cached, or measured first)."""
+    if cluster.name in config_files.shipped("clusters"):
+        return load(cluster.name).with_shape(cluster.nodes, cluster.devices_per_node)
+    from amsp_jax.cost import host_profile
+
+    return host_profile.load(cluster.nodes, cluster.devices_per_node)
 
 
 # GPU models that share another's compute and memory (NVIDIA's export variants cut only NVLink).

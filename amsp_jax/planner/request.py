@@ -13,7 +13,7 @@ from amsp_jax.core.backend import selects_in_place
 from amsp_jax.core.plan import REMAT_POLICIES, Precision
 from amsp_jax.core.schedule import Implementation, uses_prefetch
 from amsp_jax.core.space import Cluster
-from amsp_jax.cost import Workload, looped_blocks
+from amsp_jax.cost import Workload, host_profile, looped_blocks
 from amsp_jax.cost import optimizer as optimizer_cost
 from amsp_jax.cost.hardware import ClusterConfig, for_cluster
 from amsp_jax.cost.hardware import load as load_cluster
@@ -110,12 +110,16 @@ def _update_rules(
 
 
 def hardware_of(cluster: ClusterConfig | Cluster | str | Path, nodes: int | None = None) -> ClusterConfig:
-    """A cluster's hardware: a config as is, a YAML or shipped name loaded, a bare `Cluster` by its
-    name (`cost.hardware.for_cluster`); `nodes` overrides the node count."""
+    """A cluster's hardware: a config as is, a YAML or shipped name loaded, `host` this host's profile
+    (`cost.host_profile`), a bare `Cluster` by its name (`cost.hardware.for_cluster`); `nodes`
+    overrides the node count."""
     if isinstance(cluster, Cluster):
         hardware = for_cluster(cluster)
     elif isinstance(cluster, ClusterConfig):
         hardware = cluster
+    elif str(cluster) == host_profile.HOST:
+        # This host's CPU mesh of `nodes` x 4 devices, as many as the CLI gives the CPU platform.
+        return host_profile.load(nodes or 2, 4)
     else:
         hardware = load_cluster(cluster)
     return hardware if nodes is None else hardware.with_shape(nodes)

@@ -70,7 +70,8 @@ def choose(
     `ModelSpec` (e.g. `amsp_jax.models.llama.llama_spec`). `example_inputs` are what the model's
     `init` takes; the first array's second dimension is the sequence length. `global_batch` counts
     sequences per optimizer step. `cluster` is a `ClusterConfig`, a cluster YAML or shipped name, or a
-    `Cluster` (hardware from its name's config, else `cpu-sim`); `nodes` overrides its node count.
+    `Cluster` (hardware from its name's config, else this host's profile, `cost.host_profile`); `nodes`
+    overrides its node count.
     `micro_batch_size` and `remat` fix those knobs instead of searching them; `optimizer` (adam,
     adafactor or muon) prices its update's collectives. `keep_first_layer`: plans with micro-batches
     keep each `LayerStack`'s first layer gathered (`Plan.keep_first_layer`), its memory counted.

@@ -126,8 +126,8 @@ class PlanSection(Section):
     """`auto` (the planner, which also sets micro_batches and remat), a preset (`zero3`, `mics`,
     ...) or `p=AxB,g=CxD,os=ExF`."""
     cluster: str | None = None
-    """A cluster YAML or a shipped config's name (`a800-8x-ib800`), or `NODESxDEVICES`; default: one node
-    per process (2 nodes on simulated CPUs)."""
+    """A cluster YAML or a shipped config's name (`a800-8x-ib800`), `NODESxDEVICES`, or `host` (this host's
+    profile); default: one node per process (2 nodes on simulated CPUs, priced with this host's profile)."""
     cpu_devices: int = 8
     """Simulated devices when there is no accelerator (set before JAX starts)."""
     micro_batches: int = 1

@@ -29,7 +29,7 @@ from amsp_jax.core import config_files
 from amsp_jax.core.plan import Plan
 from amsp_jax.core.space import Cluster, Strategy, resolve, zero3
 from amsp_jax.cost import hardware as cluster_config
-from amsp_jax.cost import llama_workload
+from amsp_jax.cost import host_profile, llama_workload
 from amsp_jax.cost.hardware import ClusterConfig
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
 from amsp_jax.run import data as data_lib
@@ -57,15 +57,19 @@ def _hardware(name_or_path: str | Path) -> ClusterConfig:
         raise ConfigError(f"cluster config {name_or_path}: {error}") from None
 
 
-def choose_cluster(spec: str | None, devices: Sequence[jax.Device]) -> tuple[Cluster, ClusterConfig | None]:
+def choose_cluster(
+    spec: str | None, devices: Sequence[jax.Device], auto: bool = True
+) -> tuple[Cluster, ClusterConfig | None]:
     """The cluster of `devices`, and its hardware config (bandwidths, peak FLOP/s) where one is known.
 
     `spec`: a cluster YAML or a shipped config's name (its devices per node, as many nodes as
-    the devices fill), `NODESxDEVICES`, or None: one node per process, except that simulated CPU
-    devices of one process stand for two nodes (so inter-node placements can be tried) with the
-    `cpu-sim` hardware config.
+    the devices fill), `NODESxDEVICES`, `host`, or None: one node per process, except that simulated
+    CPU devices of one process stand for two nodes (so inter-node placements can be tried), priced
+    with this host's profile (`cost.host_profile`): measured first where none is cached and the
+    planner needs it (`auto`: the strategy is the planner's), else only where cached.
     """
-    if spec and not re.fullmatch(r"\d+x\d+", spec.lower()):
+    simulated = devices[0].platform == "cpu"
+    if spec and spec != host_profile.HOST and not re.fullmatch(r"\d+x\d+", spec.lower()):
         hardware = _hardware(spec)
         per_node = hardware.devices_per_node
         if len(devices) % per_node:
@@ -75,7 +79,7 @@ def choose_cluster(spec: str | None, devices: Sequence[jax.Device]) -> tuple[Clu
             )
         cluster = Cluster(len(devices) // per_node, per_node, hardware.name)
         return cluster, hardware.with_shape(cluster.nodes)
-    if spec:
+    if spec and spec != host_profile.HOST:
         nodes, per_node = (int(n) for n in spec.lower().split("x"))
         if nodes * per_node != len(devices):
             raise ConfigError(
@@ -83,14 +87,18 @@ def choose_cluster(spec: str | None, devices: Sequence[jax.Device]) -> tuple[Clu
                 "NODESxDEVICES that multiply to the device count (or set cpu_devices on the CPU)"
             )
         return Cluster(nodes, per_node, "given"), None
-    simulated = devices[0].platform == "cpu"
     if simulated and len({d.process_index for d in devices}) == 1 and len(devices) % 2 == 0:
         cluster = Cluster(2, len(devices) // 2, "cpu-sim")
     else:
         cluster = Cluster.detect(devices)
-    if simulated:
-        return cluster, _hardware("cpu-sim").with_shape(cluster.nodes, cluster.devices_per_node)
-    return cluster, None
+    if not simulated:
+        return cluster, None
+    if not (auto or spec or host_profile.path(cluster.nodes, cluster.devices_per_node).exists()):
+        return cluster, None  # a fixed strategy does not wait minutes for a profile it only prints MFU from
+    try:
+        return cluster, host_profile.load(cluster.nodes, cluster.devices_per_node)
+    except cluster_config.ClusterConfigError as error:
+        raise ConfigError(str(error)) from None
 
 
 def auto_plan(model: LlamaConfig, cluster: Cluster, hardware: ClusterConfig, config: TrainConfig) -> Plan:
@@ -274,7 +282,7 @@ def _setup(
             "--resume to continue that run, or choose another --run-dir"
         )
     devices = list(devices if devices is not None else jax.devices())
-    cluster, hardware = choose_cluster(config.plan.cluster, devices)
+    cluster, hardware = choose_cluster(config.plan.cluster, devices, config.plan.strategy == "auto")
     plan, note = choose_plan(model_config, cluster, hardware, config)
     model = Llama(model_config)
     trainer = Trainer(plan, model, make_optimizer(config), make_loss_fn(model), devices=devices)

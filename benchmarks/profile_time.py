@@ -1,0 +1,98 @@
+"""How long `amsp-jax profile` takes on this host, and how much memory: wall and CPU seconds and the peak
+resident memory of the profile run as a child process, by default and with `--thorough`.
+
+    python -m benchmarks.profile_time [--thorough] [--devices 8]
+
+writes `benchmarks/results/profile_time_cpu<cores>_<yyyymmdd-hhmm>.md` (`results_file`): the command of
+each run, its time by part (the profile's own summary line) and the host's load average, since on a
+shared host the wall time is the other processes' as much as the profile's and the CPU seconds are the
+comparable figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import results_file
+
+
+def profile_run(devices: int, thorough: bool, out: Path) -> dict[str, object]:
+    """One `amsp-jax profile` in a child process: its command, wall and CPU seconds, peak memory, and
+    the summary lines it printed; the profile is written to `out`."""
+    argv = ["profile", "--out", str(out), "--no-progress", *(["--thorough"] if thorough else [])]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+    load = os.getloadavg()[0]
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as stdout:
+        child = subprocess.Popen([sys.executable, "-m", "amsp_jax.cli", *argv], env=env, stdout=stdout)
+        _, status, usage = os.wait4(child.pid, 0)  # this child's own CPU time and peak memory
+        wall = time.perf_counter() - start
+        stdout.seek(0)
+        printed = stdout.read()
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit(f"profile failed:\n{printed[-3000:]}")
+    cpu = usage.ru_utime + usage.ru_stime
+    lines = [line for line in printed.splitlines() if line.startswith(("amsp-jax profile:", "  "))]
+    return {
+        "command": "amsp-jax " + " ".join(a if a != str(out) else out.name for a in argv),
+        "wall": wall, "cpu": cpu, "peak_gib": usage.ru_maxrss / 2**20, "load": (load, os.getloadavg()[0]),
+        "lines": lines,
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8, as 2 x 4)")
+    parser.add_argument("--thorough", action="store_true", help="also time `amsp-jax profile --thorough`")
+    parser.add_argument("--out-dir", default=str(results_file.RESULTS))
+    args = parser.parse_args()
+    # The header names the devices this process's JAX sees: as many as the profiles ran on.
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    runs = []
+    cores = os.cpu_count()
+    stem = results_file.dated_stem(args.out_dir, "profile_time", f"cpu{cores}")
+    for thorough in (False, True) if args.thorough else (False,):
+        # Each profile is kept beside the results file: what the time bought.
+        out = stem.with_suffix(".thorough.yaml" if thorough else ".yaml")
+        runs.append(profile_run(args.devices, thorough, out))
+        run = runs[-1]
+        print(run["command"], f"{run['wall']:.0f} s wall, {run['cpu']:.0f} s CPU", flush=True)
+    lines = [
+        results_file.header(f"`amsp-jax profile`: time and peak memory, {args.devices} CPU devices").rstrip(),
+        "",
+        f"Each run is a child process with {args.devices} simulated CPU devices on this {cores}-core host; "
+        "CPU seconds count every thread (user + system); peak memory is the child's largest resident set. "
+        "Load average: the host's 1-minute load at the start and the end of the run (other processes "
+        "share the cores, so the wall time is theirs as much as the profile's).",
+        "",
+        "| command | wall s | CPU s | peak memory GiB | load average |",
+        "|---|---|---|---|---|",
+        *(
+            f"| `{r['command']}` | {r['wall']:.0f} | {r['cpu']:.0f} | {r['peak_gib']:.2f} | "
+            f"{r['load'][0]:.1f} → {r['load'][1]:.1f} |"
+            for r in runs
+        ),
+        "",
+        "What each run printed (its parts' wall seconds):",
+        "",
+        "```text",
+        *(line for r in runs for line in r["lines"]),
+        "```",
+        "",
+    ]
+    path = stem.with_suffix(".md")
+    path.write_text("\n".join(lines))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
