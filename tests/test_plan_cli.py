@@ -326,6 +326,27 @@ def test_profile_writes_the_matmul_rates_the_probe_steps_ran_at(tmp_path, monkey
     assert config.pass_bandwidth == pytest.approx(2e9) and config.step_overhead == pytest.approx(0.004)
 
 
+def test_a_profile_whose_probe_fit_fails_keeps_what_it_measured(tmp_path, monkeypatch, capsys):
+    # A busy host can leave the probe steps' times without a trend; the collectives and matmuls
+    # measured before them still price a plan, so the profile is written without the passes.
+    from amsp_jax.cli import profile
+
+    swept = {dtype: {128: [(2, 1e9), (64, 4e9)]} for dtype in MATMUL_DTYPES}
+    monkeypatch.setattr(profile, "measure_compute", lambda *args, **kwargs: (8e9, 1e9, swept, [(2**20, 1e9)]))
+    monkeypatch.setattr(probe, "run_probes", lambda config, repeats, **kwargs: [])
+
+    def fails(probes, speed):
+        raise probe.ProbeFitError("the probe steps' times do not grow with their memory passes")
+
+    monkeypatch.setattr(probe, "fit", fails)
+    out = tmp_path / "measured.yaml"
+    assert main(["profile", "--out", str(out), "--sizes", "4KiB", "--repeats", "1", "--no-progress"]) == 0
+    config = load(out)
+    assert config.memory_passes is None
+    assert config.matmul_rate(64, MATMUL_DTYPES[0], 128) == pytest.approx(4e9)
+    assert "without the memory passes" in capsys.readouterr().out
+
+
 def test_probe_fit_gives_no_step_a_negative_fixed_cost():
     # Where compute and collectives are priced above what the probes take, the free fit's intercept is
     # negative; a step has no negative fixed cost, so the passes alone are fitted to what is left.

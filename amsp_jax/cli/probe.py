@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from amsp_jax.cost.hardware import PASS_BLOCKS as BLOCKS
+from amsp_jax.errors import AmspError
 
 # (placement, split collectives): every placement flat, and zero3 split too, so the fit sees what a split
 # costs beyond its bytes (`SPLIT_RESULTS`).
@@ -57,6 +58,10 @@ DEFAULT_PROBES: tuple[tuple[tuple[str, bool], ...], ...] = (
     (("ddp", False), ("zero2", False)),
     (("zero1", False), ("zero3", False)),
 )
+
+
+class ProbeFitError(AmspError):
+    """The probe steps' times do not fit the memory-pass form (a machine busy while they ran)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,9 +288,9 @@ def fit(probes: list[Probe], speed: Callable[[float], float] = lambda nbytes: 1.
     overhead, seconds_per_byte = coefficient[0], coefficient[1]
     if seconds_per_byte <= 0 or coefficient[3] <= 0:
         grows = "memory passes" if seconds_per_byte <= 0 else "compute"
-        raise SystemExit(
-            f"amsp-jax profile: the probe steps' times do not grow with their {grows} (a busy "
-            "machine?); run it again on an idle one, or with --no-passes"
+        raise ProbeFitError(
+            f"the probe steps' times do not grow with their {grows} (a busy machine?); run "
+            "`amsp-jax profile` again on an idle one"
         )
     return Passes(
         per_byte,

@@ -383,7 +383,13 @@ def run(args: argparse.Namespace) -> int:
     if len(measured.devices) > 1 and not args.no_passes:
         passes_start = time.perf_counter()
         tick = lambda kind: bar.update(WEIGHTS[kind])  # noqa: E731
-        lines = _with_memory_passes(lines, measured, config, args.thorough, tick, say)
+        from amsp_jax.cli import probe
+
+        try:
+            lines = _with_memory_passes(lines, measured, config, args.thorough, tick, say)
+        except probe.ProbeFitError as error:
+            # The rates measured so far still price every collective and matmul: keep them.
+            say(f"amsp-jax profile: {error}; wrote the profile without the memory passes")
         seconds["probe steps"] = time.perf_counter() - passes_start
         out.write_text("\n".join(lines) + "\n")
         config = load(out)
