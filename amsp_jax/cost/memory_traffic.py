@@ -37,6 +37,7 @@ that already stands for the memory-bound kernels, and a profiled CPU host fits i
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
@@ -66,6 +67,11 @@ class TrafficForm:
         return {name: self.coefficients[name] * size for name, size in terms.items()}
 
 
+def grad_terms(grad_block: float, devices: int) -> dict[str, float]:
+    """The G block's terms: its own passes, and again where it is reduced across `devices` (> 1)."""
+    return {"grads": grad_block, "grads_reduced": grad_block if devices > 1 else 0.0}
+
+
 def terms(blocks: Mapping[str, float], workload: Workload, devices: int) -> dict[str, float]:
     """Each term's size for one step on one of `devices` devices: the placement's blocks
     (`timing.pass_blocks`) and the shape's products (module docstring)."""
@@ -75,9 +81,8 @@ def terms(blocks: Mapping[str, float], workload: Workload, devices: int) -> dict
     widths = {"dim": d.dim, "ffn": d.ffn_dim, "kv": d.n_kv_heads * d.head_dim}
     found = {
         "params": blocks["params"],
-        "grads": blocks["grads"],
+        **grad_terms(blocks["grads"], devices),
         "opt_state": blocks["opt_state"],
-        "grads_reduced": blocks["grads"] if devices > 1 else 0.0,
         "weights": float(FP32 * workload.num_params * workload.micro_batches),
         "logits": float(FP32 * tokens * d.vocab_size),
     }
@@ -141,12 +146,7 @@ def load(path: str | Path | None = None) -> TrafficForm:
     return from_dict(values, str(path))
 
 
-_shipped: TrafficForm | None = None
-
-
+@functools.cache
 def shipped() -> TrafficForm:
     """The shipped form, read once."""
-    global _shipped
-    if _shipped is None:
-        _shipped = load()
-    return _shipped
+    return load()

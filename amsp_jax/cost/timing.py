@@ -281,11 +281,6 @@ def pass_time(block: str, nbytes: float, cluster: ClusterConfig) -> float:
     return cluster.memory_passes[block] * nbytes / (cluster.pass_bandwidth * cluster.pass_speed(nbytes))
 
 
-def devices(cluster: ClusterConfig) -> int:
-    """Devices of `cluster`: more than one reduces G across them."""
-    return cluster.nodes * cluster.devices_per_node
-
-
 def traffic_time(sizes: Mapping[str, float], cluster: ClusterConfig) -> float:
     """Seconds of the GPU traffic form's terms `sizes` (`memory_traffic`) at the profiled bandwidth."""
     return memory_traffic.seconds(memory_traffic.shipped(), sizes, cluster)
@@ -301,8 +296,8 @@ def params_time(param_block: float, num_params: int, cluster: ClusterConfig) -> 
 def grads_time(grad_block: float, cluster: ClusterConfig) -> float:
     """Seconds of the passes over the G block, counted in fp32 (`pass_blocks`)."""
     if memory_traffic.applies(cluster):
-        reduced = grad_block if devices(cluster) > 1 else 0.0
-        return traffic_time({"grads": grad_block, "grads_reduced": reduced}, cluster)
+        devices = cluster.nodes * cluster.devices_per_node
+        return traffic_time(memory_traffic.grad_terms(grad_block, devices), cluster)
     return pass_time("grads", grad_block, cluster)
 
 
