@@ -99,10 +99,7 @@ def train(model, batches, strategy, micro_batches, **trainer_args):
 
 # zero3 for every style; two other placements with micro-batches, one on unstacked blocks (linen) and
 # one on stacked ones (nnx).
-STYLE_PLANS = [("zero3", 1, style) for style in STYLES] + [
-    ("mics", 3, "loop"),
-    ("p=2x1,g=4x1,os=4x2", 3, "nnx scan"),
-]
+STYLE_PLANS = [("zero3", 1, style) for style in STYLES] + [("p=2x1,g=4x1,os=4x2", 3, "nnx scan")]
 
 
 @pytest.mark.slow

@@ -322,7 +322,7 @@ def test_a_split_collective_costs_the_compiled_passes_that_round_what_its_stages
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["zero3", "p=2x1,g=4x2,os=2x1"])
+@pytest.mark.parametrize("strategy", ["p=2x1,g=4x2,os=2x1"])
 def test_the_passes_grow_with_the_micro_batches_as_the_compiled_traffic_does(strategy):
     """Each micro-batch passes over the weights, full-size gradients and its activations again: the
     compiled step's memory traffic grows about 1.8x and 3.1x from one micro-batch to two and four of the
