@@ -11,6 +11,7 @@ import jax
 COMPONENTS = ("params", "grads", "opt_state")
 _SHORT = {"p": "params", "g": "grads", "os": "opt_state"}
 _SHORT_OF = {v: k for k, v in _SHORT.items()}
+TENSOR_KEY = "t"
 
 
 class StrategyError(ValueError):
@@ -79,45 +80,76 @@ class Placement:
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """One placement for each of the compute params (P), gradients (G) and optimizer state (OS)."""
+    """One placement for each of the compute params (P), gradients (G) and optimizer state (OS), and the
+    tensor-parallel degree `tensor` (t): each node's devices form groups of t that split every layer's
+    matmuls, and P/G/OS are placed over the node's devices_per_node / t data-parallel ranks times the
+    nodes, as they are over whole nodes when t = 1."""
 
     params: Placement
     grads: Placement
     opt_state: Placement
+    tensor: int = 1
 
     def __str__(self) -> str:
-        return ",".join(f"{_SHORT_OF[c]}={getattr(self, c)}" for c in COMPONENTS)
+        placements = ",".join(f"{_SHORT_OF[c]}={getattr(self, c)}" for c in COMPONENTS)
+        return placements if self.tensor == 1 else f"{TENSOR_KEY}={self.tensor},{placements}"
 
     @classmethod
     def parse(cls, text: str) -> Strategy:
-        """`"p=4x1,g=4x1,os=8x2"` → Strategy; the inverse of `str()`."""
+        """`"p=4x1,g=4x1,os=8x2"` or `"t=2,p=2x1,g=2x1,os=4x2"` → Strategy; the inverse of `str()`
+        (`t` omitted means 1)."""
         found: dict[str, Placement] = {}
+        tensor = 1
         for part in filter(None, (p.strip() for p in text.split(";" if ";" in text else ","))):
             key, _, value = part.partition("=")
             key = key.strip().lower()
+            if key == TENSOR_KEY:
+                if not value.strip().isdigit() or int(value) < 1:
+                    raise StrategyError(
+                        f"tensor degree {value.strip()!r} in {text!r} is not a positive integer; "
+                        "write e.g. 't=2'"
+                    )
+                tensor = int(value)
+                continue
             if key not in _SHORT:
-                raise StrategyError(f"unknown component {key!r} in {text!r}; use p=, g= and os=")
+                raise StrategyError(f"unknown component {key!r} in {text!r}; use t=, p=, g= and os=")
             found[_SHORT[key]] = Placement.parse(value)
         missing = [_SHORT_OF[c] for c in COMPONENTS if c not in found]
         if missing:
             raise StrategyError(
                 f"strategy {text!r} lacks {', '.join(missing)}; write e.g. 'p=1x1,g=1x1,os=8x1'"
             )
-        return cls(**found)
+        return cls(**found, tensor=tensor)
 
     def placements(self) -> dict[str, Placement]:
         """Component name → placement."""
         return {c: getattr(self, c) for c in COMPONENTS}
 
+    def data_parallel(self, cluster: Cluster) -> Cluster:
+        """The cluster the placements range over: each node's devices_per_node / t data-parallel ranks."""
+        return dataclasses.replace(cluster, devices_per_node=cluster.devices_per_node // self.tensor)
+
     def validate(self, cluster: Cluster, allow_partial_nodes: bool = False) -> Strategy:
         """Raise a StrategyError naming the component, the rule and a valid alternative; else self."""
-        r, n = cluster.devices_per_node, cluster.nodes
+        if self.tensor < 1 or cluster.devices_per_node % self.tensor:
+            raise StrategyError(
+                f"tensor degree t={self.tensor} does not divide the {cluster.devices_per_node} devices "
+                "per node (a tensor group stays inside one node); use one of "
+                f"{_divisors(cluster.devices_per_node)}"
+            )
+        data = self.data_parallel(cluster)
+        r, n = data.devices_per_node, data.nodes
+        per_node = (
+            "devices per node"
+            if self.tensor == 1
+            else f"data-parallel ranks per node (devices / t={self.tensor})"
+        )
         for comp, pl in self.placements().items():
             if pl.intra < 1 or pl.inter < 1:
                 raise StrategyError(f"{comp} placement {pl}: factors must be positive")
             if r % pl.intra:
                 raise StrategyError(
-                    f"{comp} placement {pl}: intra={pl.intra} does not divide the {r} devices per node; "
+                    f"{comp} placement {pl}: intra={pl.intra} does not divide the {r} {per_node}; "
                     f"use one of {_divisors(r)}"
                 )
             if n % pl.inter:
