@@ -24,6 +24,8 @@ _EXPORTS = {
     "zero1": "amsp_jax.core.space",
     "zero2": "amsp_jax.core.space",
     "zero3": "amsp_jax.core.space",
+    "DEFAULT_TENSOR_RULES": "amsp_jax.core.tensor",
+    "TensorRuleError": "amsp_jax.core.tensor",
     "Trainer": "amsp_jax.trainer",
     "TrainState": "amsp_jax.trainer",
     "rng_for": "amsp_jax.trainer",

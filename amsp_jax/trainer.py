@@ -16,6 +16,7 @@ from amsp_jax.compiled import compile_step
 from amsp_jax.core.leaf import Path
 from amsp_jax.core.mesh import make_layout
 from amsp_jax.core.plan import Plan
+from amsp_jax.core.tensor import DEFAULT_TENSOR_RULES, Rules, normalize_rules
 from amsp_jax.layers.discovery import Example
 from amsp_jax.step import batch as batches
 from amsp_jax.step import state as states
@@ -45,16 +46,17 @@ class Trainer:
         self, plan: Plan, model: Any, optimizer: optax.GradientTransformation, loss_fn: LossFn,
         devices: list[jax.Device] | None = None, layers: tuple[type, ...] | None = None,
         has_aux: bool = False, rng_seed: int | None = None, frozen: Callable[[Path], bool] | None = None,
-        collections: tuple[str, ...] = (),
+        collections: tuple[str, ...] = (), tensor_rules: Rules = DEFAULT_TENSOR_RULES,
     ) -> None:  # fmt: skip
         """`loss_fn(params, batch) -> mean loss` of one micro-batch (`params` as `model.init` makes them).
         `layers`: the block classes to gather one at a time (default: found). `has_aux`: `loss_fn` returns
         `(loss, metrics)`. `rng_seed`: `loss_fn(params, batch, rng)` gets `rng_for(seed, step, micro_batch,
         shard)`. `frozen(path) -> bool`: parameters not trained. `collections`: variable collections the
         model updates (e.g. `("batch_stats",)`): `loss_fn` gets them as `variables=` and returns `(loss,
-        updated)` (`(loss, (metrics, updated))` with `has_aux`)."""
+        updated)` (`(loss, (metrics, updated))` with `has_aux`). `tensor_rules`: (logical name, "tensor"
+        or None) pairs deciding which weight dimension a tensor degree t > 1 splits (first match wins)."""
         self.plan, self.model, self.optimizer, self.loss_fn = plan, model, optimizer, loss_fn
-        self.layers, self.frozen = layers, frozen
+        self.layers, self.frozen, self.tensor_rules = layers, frozen, normalize_rules(tensor_rules)
         self.loss = LossSpec(loss_fn, has_aux, rng_seed, tuple(collections))
         self.layout = make_layout(plan.cluster, plan.strategy, devices)
         self._program: StepProgram | None = None  # built by `setup` (or `init`)
@@ -75,7 +77,7 @@ class Trainer:
         suffice; nothing is allocated)."""
         program = build_program(
             self.plan, self.layout, self.model, self.optimizer, self.loss, key, Example(args, kwargs),
-            self.layers, self.frozen,
+            self.layers, self.frozen, self.tensor_rules,
         )  # fmt: skip
         self._program, self._compiled = program, {}
         return program
@@ -130,10 +132,6 @@ class Trainer:
         if self._program is not None:
             return describe(self._program)
         return "\n".join(describe_layout(self.plan, self.layout))
-
-    def check_batch(self, batch: Any) -> None:
-        """Raise a clear error when the global batch does not split into devices x micro-batches."""
-        batches.check_batch(self.plan, batch)
 
     def shard_batch(self, batch: Any) -> Any:
         """Place a global host batch on the devices, split along its first dimension."""

@@ -146,7 +146,8 @@ def build_gspmd_step(
     num_devices = mesh.devices.size
 
     with recording_stacks() as recorded:
-        abstract = jax.eval_shape(lambda k: model.init(k, *example_inputs)["params"], jax.random.key(0))
+        init = lambda k: nn.meta.unbox(model.init(k, *example_inputs))["params"]  # noqa: E731
+        abstract = jax.eval_shape(init, jax.random.key(0))
     stacks = tuple(recorded)
     flat = _flatten(abstract)
     specs = {
@@ -197,7 +198,7 @@ def build_gspmd_step(
 
     def init_fn(key: jax.Array) -> PeerState:
         def make(k: jax.Array) -> PeerState:
-            params = model.init(k, *example_inputs)["params"]
+            params = nn.meta.unbox(model.init(k, *example_inputs))["params"]
             master = jax.tree.map(lambda x: x.astype(jnp.float32), params)
             return PeerState(jnp.zeros((), jnp.int32), master, optimizer.init(master))
 

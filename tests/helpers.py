@@ -6,6 +6,7 @@ import dataclasses
 import functools
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -51,11 +52,14 @@ def batches(global_batch: int, steps: int, seed: int = 0, vocab: int = 64) -> li
     return [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
 
 
-def reference(model: Llama, data: list[dict[str, np.ndarray]], key: jax.Array) -> tuple[list[float], dict]:
-    """Plain `jax.grad` + the same optax chain on one device: losses of each step and final params."""
-    loss_fn = make_loss_fn(model)
+def reference(
+    model: Any, data: list[dict[str, np.ndarray]], key: jax.Array, loss_fn: Any = None
+) -> tuple[list[float], dict]:
+    """Plain `jax.grad` + the same optax chain on one device: losses of each step and final params
+    (`loss_fn` default: the LLaMA's)."""
+    loss_fn = loss_fn or make_loss_fn(model)
     device = jax.devices()[0]
-    params = jax.device_put(model.init(key, data[0]["inputs"])["params"], device)
+    params = jax.device_put(nn.meta.unbox(model.init(key, data[0]["inputs"]))["params"], device)
     opt = optimizer()
     opt_state = opt.init(params)
 

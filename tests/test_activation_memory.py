@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
@@ -20,7 +21,8 @@ def _residual_bytes(remat: str) -> tuple[int, int]:
     block = Block(config)
     x = jnp.zeros((1, SEQ, config.dim), jnp.bfloat16)
     cos, sin = rope_tables(SEQ, config.head_dim, config.rope_theta)
-    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), block.init(jax.random.key(0), x, cos, sin))
+    params = nn.meta.unbox(block.init(jax.random.key(0), x, cos, sin))
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
 
     def loss(p: object, x: jax.Array) -> jax.Array:
         return block.apply(p, x, cos, sin).astype(jnp.float32).sum()

@@ -107,7 +107,7 @@ def test_nnx_model_matches_its_single_device_reference(data, strategy):
 def test_linen_model_matches_its_single_device_reference(data):
     model = LinenLM()
     loss = loss_of(model.apply)
-    params = model.init(jax.random.key(0), data[0]["inputs"])["params"]
+    params = nn.meta.unbox(model.init(jax.random.key(0), data[0]["inputs"]))["params"]
     opt = optimizer()
     opt_state = opt.init(params)
     expected = []

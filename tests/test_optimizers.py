@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,7 +99,7 @@ def before_step(name: str) -> Callable:
 @functools.cache
 def initial_params() -> dict:
     """The tiny model's initial parameters on the host, shared by every run."""
-    params = jax.jit(Llama(TINY).init)(jax.random.key(0), train_data()[0]["inputs"])["params"]
+    params = nn.meta.unbox(jax.jit(Llama(TINY).init)(jax.random.key(0), train_data()[0]["inputs"]))["params"]
     return jax.tree.map(np.asarray, params)
 
 

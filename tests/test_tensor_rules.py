@@ -61,13 +61,13 @@ NAMES = [
 @pytest.mark.parametrize("names", NAMES, ids=["-".join(map(str, n)) for n in NAMES])
 def test_rules_split_what_linen_resolves(names):
     """Flax's own resolution of the same rules is the reference."""
-    expected = nn.logical_to_mesh_axes(names, tensor.DEFAULT_RULES)
+    expected = nn.logical_to_mesh_axes(names, tensor.DEFAULT_TENSOR_RULES)
     dims = [d for d, axis in enumerate(expected) if axis == tensor.TENSOR]
     assert tensor.tensor_dim(names) == (dims[0] if dims else None)
 
 
 def test_an_override_keeps_a_name_whole_by_its_first_rule():
-    rules = tensor.normalize_rules([("vocab", None), *tensor.DEFAULT_RULES])
+    rules = tensor.normalize_rules([("vocab", None), *tensor.DEFAULT_TENSOR_RULES])
     names = ("vocab", "embed")
     assert tensor.tensor_dim(names, rules) is None
     assert nn.logical_to_mesh_axes(names, rules) == nn.logical_to_mesh_axes((None, None), rules)

@@ -39,7 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--devices-per-node", type=int, default=4)
-    parser.add_argument("--strategy", default="zero3", help="preset name or p=AxB,g=AxB,os=AxB")
+    parser.add_argument(
+        "--no-sequence-parallel", action="store_true",
+        help="with t > 1: whole activations on every tensor rank, row-parallel outputs all-reduced",
+    )  # fmt: skip
+    parser.add_argument(
+        "--strategy", default="zero3", help="preset name or p=AxB,g=AxB,os=AxB; t=N, first: tensor degree"
+    )
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per device, micro-batch")
     parser.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
@@ -89,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from amsp_jax import cost
     from amsp_jax.compiled import audit, gpu_target
     from amsp_jax.core.plan import Plan
-    from amsp_jax.core.space import PRESETS, Cluster, Strategy, preset
+    from amsp_jax.core.space import Cluster, resolve
     from amsp_jax.models.llama import Llama, LlamaConfig, ModelConfigError, make_loss_fn
     from amsp_jax.trainer import Trainer
 
@@ -106,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = Cluster(args.nodes, args.devices_per_node, name=args.target or "audit")
     plan = Plan(
         cluster,
-        preset(args.strategy, cluster) if args.strategy in PRESETS else Strategy.parse(args.strategy),
+        resolve(args.strategy, cluster),
         args.micro_batches,
         precision=args.precision,
         remat=args.remat,
@@ -114,12 +120,14 @@ def run(args: argparse.Namespace) -> int:
         hierarchical=not args.flat_collectives,
         prefetch={"auto": None, "loop": True, "none": False}[args.prefetch],
         keep_first_layer=args.keep_first_layer,
+        sequence_parallel=not args.no_sequence_parallel,
         memory_limit=None if args.memory_limit is None else args.memory_limit * 2**30,
     )
     model = Llama(config)
     trainer = Trainer(plan, model, optax.adamw(1e-4), make_loss_fn(model), devices=devices)
     seq_len = args.seq_len or config.max_seq_len
-    global_batch = cluster.num_devices * args.micro_batches * args.micro_batch_size
+    data_devices = plan.strategy.data_parallel(cluster).num_devices
+    global_batch = data_devices * args.micro_batches * args.micro_batch_size
     tokens = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32)
     trainer.setup(jax.random.key(0), jnp.zeros((1, seq_len), jnp.int32))
     report = audit.audit_trainer(

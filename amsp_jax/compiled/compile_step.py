@@ -51,6 +51,13 @@ def compile_step(program: StepProgram, state: Any, batch: Any) -> jax.stages.Com
     try:
         lowered = lower(program, state, batch)
     except TypeError as error:
+        if layout.tensor > 1 and "reshape" in str(error):
+            # A model that reshapes a tensor-split activation with its global head or unit count.
+            raise TrainerError(
+                f"the model reshapes an activation that t={layout.tensor} splits ({one_line(error)}): each "
+                f"tensor rank holds 1/{layout.tensor} of the heads or units of a column-parallel output; "
+                "reshape with -1 for their count, e.g. x.reshape(*x.shape[:-1], -1, head_dim)"
+            ) from None
         # jax.grad's message for a loss of any shape but (): say what the loss function must return.
         if "scalar-output" not in str(error):
             raise
@@ -91,7 +98,7 @@ def gather_bytes(program: StepProgram) -> int:
     """Bytes of the largest single gather: one layer of a stack or block, or all the other leaves."""
     return largest_gather_bytes(
         (
-            (split.leaf.unit, math.prod(split.padded) // split.leaf.layers)
+            (split.leaf.unit, math.prod(split.rank_padded) // split.leaf.layers)
             for split in program.params.leaves.values()
         ),
         program.plan.precision.param_bytes,

@@ -57,3 +57,10 @@ def widens_16bit_dots(platform: str, jaxlib: str | None = None) -> bool:
     """
     version = tuple(int(part) for part in (jaxlib or JAXLIB).split(".")[:2] if part.isdigit())
     return platform == "cpu" and version < (0, 11)
+
+
+def drops_unused_collective(platform: str, kind: str) -> bool:
+    """Whether XLA removes a collective of `kind` whose result nothing reads (a layer's last
+    row-parallel sum, recomputed under remat for nothing): XLA:CPU removes any; XLA:GPU an all-reduce,
+    not a reduce-scatter."""
+    return platform == "cpu" or kind == "all-reduce"

@@ -25,6 +25,15 @@ class Leaf:
     unit: Path | None = None  # the stack or block a per-layer leaf is gathered with
     layer_stack: bool = False  # a `LayerStack`'s (its own layer loop; may keep its first layer)
     looked_up: bool = False  # only indexed (an untied input embedding): the step runs no matmul with it
+    tensor_dim: int | None = None  # the dimension the tensor axis splits (from its logical names), if any
+
+    def local_shape(self, tensor: int) -> tuple[int, ...]:
+        """The shape one tensor rank holds under tensor degree `tensor` (the whole leaf at 1)."""
+        if tensor == 1 or self.tensor_dim is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.tensor_dim] //= tensor
+        return tuple(shape)
 
     @property
     def size(self) -> int:

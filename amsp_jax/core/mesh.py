@@ -1,7 +1,8 @@
 """One mesh for P, G and OS, and the per-leaf `PartitionSpec`s that put each on its placement.
 
 The mesh's axes are the factors of the nested groups: inter-node axes before intra-node
-axes, the replica factor outermost. Each component shards a leaf over a prefix of one axis order
+axes, the replica factor outermost, and the tensor axis (a strategy's `t > 1`) innermost, so each
+tensor group is consecutive devices of one node. Each component shards a leaf over a prefix of one axis order
 (smaller groups first), so a device's OS block lies inside its G and P blocks and moving between
 components is a slice, a reduce-scatter or an all-gather over the extra axes only.
 """
@@ -21,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from amsp_jax.core.leaf import Leaf
 from amsp_jax.core.space import COMPONENTS, Cluster, Strategy
+from amsp_jax.core.tensor import TENSOR, TensorRuleError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +39,22 @@ class AxisPlan:
     def all_axes(self) -> tuple[str, ...]:
         """Every mesh axis, outermost first."""
         return tuple(name for name, _ in self.axis_sizes)
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The data-parallel axes (every axis but the tensor axis), outermost first: what the batch is
+        split over and what P, G and OS are placed on."""
+        return tuple(name for name in self.all_axes if name != TENSOR)
+
+    @property
+    def tensor(self) -> int:
+        """The tensor-parallel degree (1: no tensor axis)."""
+        return self.strategy.tensor
+
+    @property
+    def data_devices(self) -> int:
+        """Devices that each see their own part of the batch (the tensor ranks of a group share theirs)."""
+        return self.cluster.num_devices // self.tensor
 
     def axes(self, component: str) -> tuple[str, ...]:
         """The axes `component` is sharded over, in `PartitionSpec` order (major first)."""
@@ -98,11 +116,13 @@ def plan_axes(cluster: Cluster, strategy: Strategy) -> AxisPlan:
     """The nested mesh axes of `strategy` on `cluster`, without touching devices."""
     strategy.validate(cluster, allow_partial_nodes=True)
     placements = strategy.placements()
-    intra_axes, intra_cover = _chain(
-        [p.intra for p in placements.values()], cluster.devices_per_node, "intra"
-    )
+    data = strategy.data_parallel(cluster)
+    intra_axes, intra_cover = _chain([p.intra for p in placements.values()], data.devices_per_node, "intra")
     inter_axes, inter_cover = _chain([p.inter for p in placements.values()], cluster.nodes, "inter")
-    axis_sizes = tuple(reversed(inter_axes)) + tuple(reversed(intra_axes)) or (("intra0", 1),)
+    axis_sizes = tuple(reversed(inter_axes)) + tuple(reversed(intra_axes))
+    if strategy.tensor > 1:
+        axis_sizes += ((TENSOR, strategy.tensor),)
+    axis_sizes = axis_sizes or (("intra0", 1),)
 
     # Order components by group size; each adds its new intra axes, then its new inter axes, so every
     # component's axes are a prefix of one order and reduce-scatters run intra-node first.
@@ -160,10 +180,27 @@ class LeafLayout:
     minor_dim: int | None = None
     axis_dims: tuple[tuple[str, int], ...] = ()  # every axis of the largest group -> the dimension it splits
 
+    tensor: int = 1  # the tensor degree: `leaf.tensor_dim` (if any) is split this many ways first
+
     @property
     def shape(self) -> tuple[int, ...]:
         """The leaf's full shape."""
         return self.leaf.shape
+
+    @property
+    def tensor_dim(self) -> int | None:
+        """The dimension the tensor axis splits (None: whole on every tensor rank, or t = 1)."""
+        return self.leaf.tensor_dim if self.tensor > 1 else None
+
+    @property
+    def rank_padded(self) -> tuple[int, ...]:
+        """The stored shape one tensor rank holds (`padded` when t = 1 or the leaf is not tensor-split):
+        what the data-parallel placements split and their collectives move."""
+        if self.tensor_dim is None:
+            return self.padded
+        shape = list(self.padded)
+        shape[self.tensor_dim] //= self.tensor
+        return tuple(shape)
 
     @property
     def is_padded(self) -> bool:
@@ -178,8 +215,8 @@ class LeafLayout:
     def block_shape(self, layout: AxisPlan, component: str) -> tuple[int, ...]:
         """The shape of one device's block of this leaf under `component`'s placement."""
         if self.dim is None:
-            return self.shape
-        shape = list(self.padded)
+            return self.rank_padded
+        shape = list(self.rank_padded)
         for axis, dim in self.dims_of(layout.axes(component)).items():
             shape[dim] //= layout.axis_size(axis)
         return tuple(shape)
@@ -231,7 +268,14 @@ def leaf_layout(layout: AxisPlan, leaf: Leaf, major_first: bool = True) -> LeafL
     of the largest group's), padded to the largest group where nothing divides (`shard_dims`)."""
     # Every component's axes are a prefix of the largest group's, whose intra-node axes come first.
     order = max((layout.axes(c) for c in COMPONENTS), key=len)
-    shape = leaf.shape
+    tensor_dim = leaf.tensor_dim if layout.tensor > 1 else None
+    shape = leaf.local_shape(layout.tensor)  # one tensor rank's part, which the data axes split
+    if tensor_dim is not None and leaf.shape[tensor_dim] % layout.tensor:
+        raise TensorRuleError(
+            f"parameter {leaf.name} has {leaf.shape[tensor_dim]} elements on dimension {tensor_dim}, "
+            f"which the tensor axis splits, and t={layout.tensor} does not divide them; pick a t that "
+            "does, or map that dimension's logical name to None in the tensor rules"
+        )
     intra_axes = [a for a in order if not layout.is_inter(a)]
     dim, minor_dim = shard_dims(shape, layout.size(order), leaf.stacked, layout.size(intra_axes), major_first)
     axis_dims = (
@@ -246,13 +290,24 @@ def leaf_layout(layout: AxisPlan, leaf: Leaf, major_first: bool = True) -> LeafL
         for axis, d in dict(axis_dims).items():
             if axis in layout.axes(comp):
                 by_dim.setdefault(d, []).append(axis)
+        if tensor_dim is not None:  # the tensor axis is the major split of its dimension
+            by_dim[tensor_dim] = [TENSOR, *by_dim.get(tensor_dim, [])]
         for d, axes in by_dim.items():
             entries[d] = tuple(axes) if len(axes) > 1 else axes[0]
         specs[comp] = P(*entries)
     padded = list(shape)
     if dim is not None and minor_dim is None:
         padded[dim] = padded_size(shape[dim], layout.size(order))
-    return LeafLayout(leaf, dim, specs, tuple(padded), minor_dim, axis_dims)
+        if dim == tensor_dim and padded[dim] != shape[dim]:
+            # Padding a tensor rank's part would interleave zeros into the stored leaf.
+            raise TensorRuleError(
+                f"parameter {leaf.name}: no dimension of one tensor rank's part {shape} divides by the "
+                f"{layout.size(order)} devices of the largest data-parallel group, and the one to pad is "
+                "the tensor-split one; choose placements whose group divides one of its dimensions"
+            )
+    if tensor_dim is not None:
+        padded[tensor_dim] *= layout.tensor
+    return LeafLayout(leaf, dim, specs, tuple(padded), minor_dim, axis_dims, layout.tensor)
 
 
 def pad(x: Any, padded: Sequence[int]) -> Any:
@@ -271,6 +326,7 @@ def unpad(x: Any, shape: Sequence[int]) -> Any:
 
 
 def batch_spec(layout: Layout, ndim: int) -> P:
-    """The batch is split along its first dimension over every device (data parallelism)."""
-    axes = layout.all_axes
+    """The batch is split along its first dimension over the data-parallel axes (every device of a
+    tensor group sees the same examples)."""
+    axes = layout.data_axes
     return P(axes if len(axes) > 1 else axes[0], *([None] * (ndim - 1)))

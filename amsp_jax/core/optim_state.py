@@ -74,11 +74,11 @@ def surviving_dim(param_shape: tuple[int, ...], dim: int, shape: tuple[int, ...]
 
 def leaf_spec(param: LeafLayout | None, shape: tuple[int, ...], component: str = "opt_state") -> P:
     """The rule: where a state leaf of `shape` belonging to `param` (or to none) is placed."""
-    if param is None or param.dim is None:
+    if param is None or (param.dim is None and param.tensor_dim is None):
         return P()
     spec = param.specs[component]
     entries: list[Any] = [None] * len(shape)
-    for dim in (param.dim, param.minor_dim):
+    for dim in (param.dim, param.minor_dim, param.tensor_dim):
         target = None if dim is None or spec[dim] is None else surviving_dim(param.padded, dim, shape)
         if target is not None and entries[target] is None:
             entries[target] = spec[dim]

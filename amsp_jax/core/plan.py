@@ -68,6 +68,10 @@ class Plan:
     # budget; without one it plans for about 76% of the device and, above that, stops overlapping
     # collectives with compute (`amsp_jax.compiled.xla.scheduler_slop_factor`).
     memory_limit: float | None = None
+    # With a tensor axis (t > 1): norms, residuals and dropout on sequence shards, column-parallel inputs
+    # all-gathered over the sequence and row-parallel outputs reduce-scattered onto it (Megatron-SP);
+    # off: every tensor rank holds whole activations and row-parallel outputs are all-reduced.
+    sequence_parallel: bool = True
 
     @property
     def implementation(self) -> Implementation:
@@ -105,4 +109,5 @@ class Plan:
             f"{', explicit-prefetch loop' if self.prefetch else ''}"
             f"{', no gathering ahead' if self.prefetch is False else ''}"
             f"{', first layer kept' if self.keep_first_layer and self.micro_batches > 1 else ''}"
+            f"{'' if self.strategy.tensor == 1 or self.sequence_parallel else ', no sequence parallelism'}"
         )

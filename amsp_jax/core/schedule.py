@@ -288,12 +288,12 @@ class LeafSchedule:
     @property
     def gathered_shape(self) -> tuple[int, ...]:
         """The shape the model sees of one gather: the leaf, or one layer of a stacked leaf."""
-        return self.split.shape[int(self.stacked) :]
+        return self.split.leaf.local_shape(self.split.tensor)[int(self.stacked) :]
 
     @property
     def gathered_padded(self) -> tuple[int, ...]:
         """The stored shape of one gather (what the collectives move)."""
-        return self.split.padded[int(self.stacked) :]
+        return self.split.rank_padded[int(self.stacked) :]
 
     def ops(self) -> tuple[Op, ...]:
         """Every op of this leaf in one step, in step order. A frozen leaf's `refresh` runs only where a
@@ -319,13 +319,13 @@ def leaf_schedule(
     """
     split = leaf_layout(axes, leaf, major_first)
     build = _Builder(axes, settings.implementation.hierarchical)
-    size = math.prod(split.padded)  # what moves is the stored (padded) leaf
+    size = math.prod(split.rank_padded)  # what moves is the stored (padded) leaf
     kept_first = bool(leaf.gathered_per_layer and leaf.stacked and leaf.layer_stack) and keeps_first_layer(
         settings.micro_batches, leaf.layers, settings.implementation
     )
     if split.dim is None:
         # A leaf with nothing to split (a scalar) stays whole everywhere: only its gradient is summed.
-        summed = build.all_reduce(REDUCTION, axes.all_axes, size, settings.reduce_itemsize, 1)
+        summed = build.all_reduce(REDUCTION, axes.data_axes, size, settings.reduce_itemsize, 1)
         reduction = () if leaf.frozen else tuple(summed)
         return LeafSchedule(split, reduction=reduction, keeps_first_layer=kept_first)
     gather, regather, grad_reduce = _layer_ops(axes, split, settings, kept_first)
@@ -352,7 +352,7 @@ def _layer_ops(
     leaf = split.leaf
     build = _Builder(axes, settings.implementation.hierarchical)
     p_axes, g_axes = axes.axes("params"), axes.axes("grads")
-    layer_size = math.prod(split.padded) // leaf.layers
+    layer_size = math.prod(split.rank_padded) // leaf.layers
     p_block = layer_size // axes.size(p_axes)
     dim = split.dims_of(tuple(a for a, _ in split.axis_dims), int(leaf.stacked))
     per_micro_batch = (leaf.layers - kept_first) * settings.micro_batches
@@ -384,8 +384,8 @@ def _layer_ops(
 def _reduction(build: _Builder, split: LeafLayout, itemsize: int) -> tuple[Op, ...]:
     """The once-per-step G→OS reduction of a leaf, by how G's and OS's groups nest."""
     axes = build.axes
-    g_axes, o_axes, all_axes = axes.axes("grads"), axes.axes("opt_state"), axes.all_axes
-    size = math.prod(split.padded)
+    g_axes, o_axes, all_axes = axes.axes("grads"), axes.axes("opt_state"), axes.data_axes
+    size = math.prod(split.rank_padded)
     g_block, o_block = size // axes.size(g_axes), size // axes.size(o_axes)
     leaf_dims = split.dims_of(tuple(a for a, _ in split.axis_dims))
     if set(g_axes) <= set(o_axes):
@@ -407,7 +407,7 @@ def _refresh(build: _Builder, split: LeafLayout, itemsize: int) -> tuple[tuple[O
     p_axes, o_axes = axes.axes("params"), axes.axes("opt_state")
     if set(p_axes) <= set(o_axes):
         extra = [a for a in o_axes if a not in p_axes]
-        o_block = math.prod(split.padded) // axes.size(o_axes)
+        o_block = math.prod(split.rank_padded) // axes.size(o_axes)
         leaf_dims = split.dims_of(tuple(a for a, _ in split.axis_dims))
         return tuple(build.all_gather(REFRESH, extra, leaf_dims, o_block, itemsize, 1)), ()
     return (), tuple(a for a in p_axes if a not in o_axes)

@@ -237,6 +237,13 @@ def preset(name: str, cluster: Cluster) -> Strategy:
 
 
 def resolve(text: str, cluster: Cluster) -> Strategy:
-    """A preset name or a strategy string, validated for `cluster`."""
+    """A preset name, a preset with a tensor degree (`"t=2,zero3"`: the preset over the data-parallel
+    ranks each node has beside its tensor groups) or a strategy string, validated for `cluster`."""
+    head, _, rest = text.partition(",")
+    key = head.partition("=")[0]
+    if key.strip().lower() == TENSOR_KEY and rest.strip() in PRESETS:
+        replicated = Strategy.parse(f"{head},p=1x1,g=1x1,os=1x1").validate(cluster)
+        data = replicated.data_parallel(cluster)
+        return dataclasses.replace(preset(rest.strip(), data), tensor=replicated.tensor).validate(cluster)
     strategy = preset(text, cluster) if text in PRESETS else Strategy.parse(text)
     return strategy.validate(cluster)

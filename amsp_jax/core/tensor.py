@@ -26,7 +26,7 @@ from amsp_jax.errors import AmspError
 TENSOR = "tensor"
 Rules = tuple[tuple[str, str | None], ...]
 # MaxText's logical names on its `tensor` axis (its base config's `logical_axis_rules`).
-DEFAULT_RULES: Rules = (
+DEFAULT_TENSOR_RULES: Rules = (
     ("mlp", TENSOR),
     ("heads", TENSOR),
     ("q_heads", TENSOR),
@@ -56,7 +56,7 @@ def normalize_rules(rules: Iterable[Sequence[object]]) -> Rules:
             raise TensorRuleError(
                 f"tensor rule {rule!r} is not a (logical name, mesh axis) pair; write e.g. ('mlp', 'tensor')"
             )
-        name, axis = rule
+        name, axis = str(rule[0]), rule[1]
         if axis is not None and axis != TENSOR:
             raise TensorRuleError(
                 f"tensor rule {rule!r} maps {name!r} to {axis!r}; map logical names to {TENSOR!r} or None "
@@ -66,7 +66,7 @@ def normalize_rules(rules: Iterable[Sequence[object]]) -> Rules:
     return tuple(normalized)
 
 
-def tensor_dim(names: Sequence[str | None], rules: Rules = DEFAULT_RULES) -> int | None:
+def tensor_dim(names: Sequence[str | None], rules: Rules = DEFAULT_TENSOR_RULES) -> int | None:
     """The dimension the tensor axis splits for an array with logical `names` (one per dimension), by
     first-match rules with each mesh axis used at most once; None when no dimension maps to it."""
     used: set[str] = set()
@@ -88,7 +88,7 @@ def tensor_dim(names: Sequence[str | None], rules: Rules = DEFAULT_RULES) -> int
 
 
 def resolve(
-    named: Mapping[tuple[str, ...], Sequence[str | None]], rules: Rules = DEFAULT_RULES
+    named: Mapping[tuple[str, ...], Sequence[str | None]], rules: Rules = DEFAULT_TENSOR_RULES
 ) -> dict[tuple[str, ...], int | None]:
     """The tensor-split dimension of every named leaf (path → its logical names)."""
     return {path: tensor_dim(names, rules) for path, names in named.items()}

@@ -259,7 +259,7 @@ def _leaf_sums(axes: AxisPlan, workload: Workload) -> Counter[str]:
         sums["trained_master"] += 0 if leaf.frozen else os_block
         if scheduled.refresh and stored and not leaf.frozen:
             sums["refresh"] = max(sums["refresh"], p_block * p_bytes)
-        whole = math.prod(split.padded)
+        whole = math.prod(split.rank_padded)
         sums["fp32_copies"] += p_block * copy_bytes if stored else 0
         if leaf.per_layer if leaf.per_layer is not None else leaf.stacked:
             # One layer's share: a stacked leaf holds every layer; blocks gathered call by call (a

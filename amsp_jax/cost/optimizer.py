@@ -135,7 +135,7 @@ def update_ops(
 def _adafactor_ops(
     build: _Builder, group_axes: tuple[str, ...], split: LeafLayout, dims: tuple[int, int]
 ) -> list[Op]:
-    shape, d = split.padded, split.dim  # the update runs on the stored (padded) leaf
+    shape, d = split.rank_padded, split.dim  # the update runs on the stored (padded) leaf
     d1, d0 = dims
     if d not in (d0, d1):
         return []
@@ -155,7 +155,7 @@ def _adafactor_ops(
 
 
 def _muon_ops(build: _Builder, group_axes: tuple[str, ...], split: LeafLayout, leaf: MuonLeaf) -> list[Op]:
-    shape, d = split.padded, split.dim  # the update runs on the stored (padded) leaf
+    shape, d = split.rank_padded, split.dim  # the update runs on the stored (padded) leaf
     k = build.axes.size(group_axes)
     size = math.prod(shape)
     b = math.prod(shape[i] for i in leaf.batch)
@@ -177,7 +177,7 @@ def _muon_ops(build: _Builder, group_axes: tuple[str, ...], split: LeafLayout, l
     if where != rows:  # the contracted dimension: partial products of A summed
         return norm + build.all_reduce(UPDATE, group_axes, b * m * m, FP32, steps)
     x, a = b * m * n, b * m * m
-    replicas = tuple(ax for ax in build.axes.all_axes if ax not in group_axes)
+    replicas = tuple(ax for ax in build.axes.data_axes if ax not in group_axes)
     copies = build.axes.size(replicas)
     if copies < k:
         return (
@@ -188,7 +188,7 @@ def _muon_ops(build: _Builder, group_axes: tuple[str, ...], split: LeafLayout, l
     # As many replicas of the OS group as it has devices, or more: GSPMD also splits each iteration's
     # products over the replicas. Every iteration exchanges blocks between the group and its replicas
     # (three point-to-point sends), gathers X over the replicas and sums partial A and B·X there.
-    every = build.axes.all_axes
+    every = build.axes.data_axes
     inter = any(build.axes.is_inter(ax) for ax in every)
     send = functools.partial(
         Op, UPDATE, COLLECTIVE_PERMUTE, every, 2, 2 if inter else 1, "inter" if inter else "intra", None

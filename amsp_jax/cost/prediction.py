@@ -6,6 +6,7 @@ import dataclasses
 
 from amsp_jax.core.mesh import AxisPlan
 from amsp_jax.cost.device_memory import Memory, memory
+from amsp_jax.cost.tensor_traffic import tensor_transfers
 from amsp_jax.cost.traffic import Transfer, bytes_by_kind_and_level, bytes_by_level, communication
 from amsp_jax.cost.workload import Workload
 
@@ -28,4 +29,5 @@ class Prediction:
 
 def predict(axes: AxisPlan, workload: Workload) -> Prediction:
     """Bytes and memory of `workload` under the strategy that `axes` was planned for."""
-    return Prediction(tuple(communication(axes, workload)), memory(axes, workload))
+    transfers = (*communication(axes, workload), *tensor_transfers(axes, workload))
+    return Prediction(transfers, memory(axes, workload))

@@ -104,7 +104,7 @@ def largest_gather_bytes(axes: AxisPlan, workload: Workload) -> int:
 
     def stored_layer(leaf: Leaf) -> int:
         split = leaf_layout(axes, leaf, not workload.optimizer.communicates_on(leaf.path))
-        return math.prod(split.padded) // (leaf.shape[0] if leaf.stacked else 1)
+        return math.prod(split.rank_padded) // (leaf.shape[0] if leaf.stacked else 1)
 
     return schedule.largest_gather_bytes(
         ((leaf.layer_group, stored_layer(leaf)) for leaf in workload.leaves), workload.precision.param_bytes

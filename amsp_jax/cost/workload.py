@@ -9,6 +9,7 @@ from amsp_jax.core.leaf import Leaf, looped_blocks
 from amsp_jax.core.plan import Precision
 from amsp_jax.core.schedule import Implementation
 from amsp_jax.cost.optimizer import ELEMENT_WISE, OptimizerUpdate
+from amsp_jax.layers.tensor import Boundary
 
 FP32 = 4
 
@@ -60,6 +61,10 @@ class Workload:
     update_in_place: bool = True
     # The backend the step compiles for: which collectives XLA merges (`schedule.launches`).
     platform: str = "gpu"
+    # The tensor-parallel boundaries one forward pass crosses (`layers.tensor.Boundary`), and whether
+    # the activations between them are split along the sequence.
+    boundaries: tuple[Boundary, ...] = ()
+    sequence_parallel: bool = True
 
     def wire_bytes(self, itemsize: int) -> int:
         """Bytes per element on the wire for a tensor of `itemsize`."""

@@ -20,6 +20,7 @@ import jax.extend.core as jax_core
 from flax import traverse_util
 
 from amsp_jax.core.leaf import Leaf
+from amsp_jax.core.tensor import DEFAULT_TENSOR_RULES, Rules, tensor_dim
 from amsp_jax.errors import AmspError
 from amsp_jax.layers.stack import (
     AbstractCall,
@@ -47,6 +48,11 @@ class Example:
     def call(self, fn: Callable[..., Any], *leading: Any) -> Any:
         """`fn(*leading, *args, **kwargs)`."""
         return fn(*leading, *self.args, **self.kwargs)
+
+    def init(self, model: Any, key: jax.Array) -> Any:
+        """`model.init(key, *args, **kwargs)` with partitioning metadata (logical axis names) removed:
+        the step, the optimizer and checkpoints hold plain arrays."""
+        return nn.meta.unbox(self.call(model.init, key))
 
     def describe(self) -> str:
         """The inputs in words: shapes and dtypes, keywords by name."""
@@ -190,7 +196,7 @@ def recording_calls(stack_unused: dict[Path, frozenset] | None = None) -> Iterat
             and not _is_lifted(type(module))
             and not isinstance(module, LayerStack)
         ):
-            params = module.variables.get("params", {})
+            params = nn.meta.unbox(module.variables.get("params", {}))
             template = module.clone(parent=None)
 
             def run(weights: Any, inputs: Any, template: nn.Module = template) -> Any:
@@ -271,6 +277,7 @@ class Layers:
     blocks: dict[Path, Found]
     stack_unused: dict[Path, frozenset] = dataclasses.field(default_factory=dict)  # per LayerStack
     looked_up: frozenset[Path] = frozenset()  # leaves the forward only indexes (`looked_up_leaves`)
+    names: dict[Path, tuple[str | None, ...]] = dataclasses.field(default_factory=dict)  # logical axes
 
     @property
     def stacked(self) -> tuple[Path, ...]:
@@ -283,11 +290,25 @@ class Layers:
         relative = [(p, b.backward_unused) for p, b in self.blocks.items()] + list(self.stack_unused.items())
         return frozenset((*p, *leaf) for p, leaves in relative for leaf in leaves)
 
-    def leaves(self, frozen: Callable[[Path], bool] | None = None) -> tuple[Leaf, ...]:
+    def tensor_dims(self, rules: Rules = DEFAULT_TENSOR_RULES) -> dict[Path, int]:
+        """The dimension the tensor axis splits of each leaf that has one, by `rules` over its logical
+        names (a stacked leaf's names may leave out its leading layer dimension)."""
+        flat = traverse_util.flatten_dict(dict(self.abstract_params))
+        dims = {}
+        for path, names in self.names.items():
+            dim = tensor_dim(names, rules)
+            if dim is not None:
+                dims[path] = dim + len(flat[path].shape) - len(names)
+        return dims
+
+    def leaves(
+        self, frozen: Callable[[Path], bool] | None = None, rules: Rules = DEFAULT_TENSOR_RULES
+    ) -> tuple[Leaf, ...]:
         """The parameter leaves as the step gathers them (per layer in stacks and blocks); `frozen(path)`
-        names those not trained."""
+        names those not trained; `rules` which dimension the tensor axis splits."""
         stacks, blocks = self.stacked, tuple(self.blocks)
         unused, layer_stacks = self.backward_unused, tuple(s for s in stacks if s not in blocks)
+        tensor_dims = self.tensor_dims(rules)
 
         def under(path: Path, roots: tuple[Path, ...]) -> Path | None:
             return next((r for r in roots if path[: len(r)] == r), None)
@@ -298,6 +319,7 @@ class Layers:
                 path, shape, under(path, stacks) is not None, per_layer=unit is not None,
                 regathered=path not in unused, frozen=frozen is not None and bool(frozen(path)), unit=unit,
                 layer_stack=under(path, layer_stacks) is not None, looked_up=path in self.looked_up,
+                tensor_dim=tensor_dims.get(path),
             )  # fmt: skip
 
         flat = traverse_util.flatten_dict(dict(self.abstract_params))
@@ -318,12 +340,28 @@ def find_layers(
     own = getattr(model, "find_blocks", None)
     unused: dict[Path, frozenset] = {}
     with recording_stacks() as stacks, recording_calls(unused) as calls, _naming(model, example):
-        abstract = jax.eval_shape(lambda k: example.call(model.init, k)["params"], key)
+        boxed = jax.eval_shape(lambda k: example.call(model.init, k)["params"], key)
+        abstract = nn.meta.unbox(boxed)
         blocks = own(abstract, example, classes) if own is not None else None
     looked_up = looked_up_leaves(model, abstract, example)
     if blocks is None:
         blocks = find_blocks(calls, _shapes(abstract), classes, exclude=tuple(stacks))
-    return Layers(abstract, tuple(stacks), blocks, unused, looked_up)
+    own_names = getattr(model, "logical_names", None)
+    names = own_names() if own_names is not None else logical_names(boxed)
+    return Layers(abstract, tuple(stacks), blocks, unused, looked_up, names)
+
+
+def logical_names(boxed_params: Any) -> dict[Path, tuple[str | None, ...]]:
+    """The logical axis names of every parameter that has them (linen `nn.with_logical_partitioning`,
+    nnx `sharding` metadata), by path."""
+    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
+    flat = jax.tree_util.tree_flatten_with_path(boxed_params, is_leaf=is_box)[0]
+    names = {}
+    for key_path, leaf in flat:
+        found = getattr(leaf, "names", None)
+        if is_box(leaf) and found is not None:
+            names[tuple(str(getattr(k, "key", k)) for k in key_path)] = tuple(found)
+    return names
 
 
 class ExampleError(AmspError):

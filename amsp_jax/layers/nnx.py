@@ -38,6 +38,28 @@ from amsp_jax.layers.stack import (
 Path = tuple[Any, ...]
 
 
+def _unsharded(make: Callable[[nnx.Rngs], nnx.Module]) -> Callable[[nnx.Rngs], nnx.Module]:
+    """`make` with flax's eager sharding off: variables keep their logical names as metadata instead of
+    being placed on a mesh as they are created (which needs one)."""
+
+    def build(rngs: nnx.Rngs) -> nnx.Module:
+        with nnx.use_eager_sharding(False):
+            return make(rngs)
+
+    return build
+
+
+def _names_of(variable: Any) -> tuple[str | None, ...] | None:
+    """A variable's logical axis names (`out_sharding` in flax 0.12, `sharding_names` / `sharding`
+    before), or None."""
+    metadata = variable.get_metadata() if hasattr(variable, "get_metadata") else {}
+    for key in ("out_sharding", "sharding_names", "sharding"):
+        names = metadata.get(key)
+        if isinstance(names, tuple | list):
+            return tuple(names)
+    return None
+
+
 def _params_run(block: nnx.Module) -> tuple[Any, Any, Callable[[Any, Any], Any]]:
     """The block's parameters (a pure dict), its other state, and `run(weights, (args, kwargs, rest))`:
     its call with other weights."""
@@ -56,15 +78,16 @@ def _params_run(block: nnx.Module) -> tuple[Any, Any, Callable[[Any, Any], Any]]
 class _Gathered(nnx.Module):
     """In place of a block inside a step: each call gathers the block's weights (`gathered_call`)."""
 
-    def __init__(self, block: nnx.Module, ops: StackOps, remat: bool, prefetch: bool) -> None:
-        self.block, self.ops, self.remat, self.prefetch = block, ops, remat, prefetch
+    def __init__(self, block: nnx.Module, ops: StackOps, remat: bool, prefetch: bool, path: Path) -> None:
+        self.block, self.ops, self.remat, self.prefetch, self.path = block, ops, remat, prefetch, path
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         pairs, rest, run = _params_run(self.block)
         shards, sinks = split_pairs(pairs)
         context = current_context()
         chain = context.chain if self.prefetch and context is not None else None
-        return gathered_call(self.ops, run, shards, sinks, (args, kwargs, rest), self.remat, chain)
+        inputs = (args, kwargs, rest)
+        return gathered_call(self.ops, run, shards, sinks, inputs, self.remat, chain, self.path)
 
 
 def _recorder(calls: list[BlockCall]) -> type[nnx.Module]:
@@ -89,8 +112,10 @@ class NnxModel:
     """An nnx module behind linen's `init` / `apply`, for `Trainer` and plain `jax.grad` alike."""
 
     def __init__(self, make: Callable[[nnx.Rngs], nnx.Module], seed: int = 0) -> None:
-        """`make(rngs)` builds the module; `seed` seeds its non-parameter variables in `apply`."""
-        self.make = make
+        """`make(rngs)` builds the module; `seed` seeds its non-parameter variables in `apply`. Logical
+        axis names (`nnx.with_partitioning`) stay metadata: the step places every variable itself."""
+        self.make = _unsharded(make)
+        make = self.make
         self.seed = seed
         abstract = nnx.eval_shape(lambda: make(nnx.Rngs(seed)))
         self.graphdef, self._abstract_params, _ = nnx.split(abstract, nnx.Param, ...)
@@ -102,6 +127,15 @@ class NnxModel:
         """`{"params": pure dict of arrays}` of a module built with `key` (the inputs are not needed)."""
         _, params, _ = nnx.split(self.make(nnx.Rngs(key)), nnx.Param, ...)
         return {"params": nnx.to_pure_dict(params)}
+
+    def logical_names(self) -> dict[Path, tuple[str | None, ...]]:
+        """The logical axis names of every parameter that has them, by path (as `init`'s tree)."""
+        names = {}
+        for path, variable in nnx.to_flat_state(self._abstract_params):
+            found = _names_of(variable)
+            if found is not None:
+                names[tuple(path)] = found
+        return names
 
     def module(self, params: Any) -> nnx.Module:
         """The module with `params` (a pure dict as `init` returns) in place of its parameters."""
@@ -119,7 +153,9 @@ class NnxModel:
             blocks = context.blocks
             module = nnx.recursive_map(
                 lambda path, node: (
-                    _Gathered(node, blocks[tuple(path)], context.remat, tuple(path) in context.prefetch)
+                    _Gathered(
+                        node, blocks[tuple(path)], context.remat, tuple(path) in context.prefetch, tuple(path)
+                    )
                     if tuple(path) in blocks
                     else node
                 ),

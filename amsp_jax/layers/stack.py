@@ -30,7 +30,9 @@ import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 
+from amsp_jax.layers import tensor
 from amsp_jax.layers.scan import prefetched_scan
+from amsp_jax.layers.tensor_modules import tensor_layers
 
 STACK_PARAM = "layer"
 # The name scope, under its stack's module path, of a kept first layer's once-per-step collectives
@@ -180,7 +182,8 @@ class LayerStack(nn.Module):
             with opaque():
                 return jax.lax.scan(plain, x, stacked)[0]
 
-        return _gathered_scan(block, context, path, x, stacked, args)
+        with tensor.in_unit(path):
+            return _gathered_scan(block, context, path, x, stacked, args)
 
 
 def _record(path: tuple[str, ...], block: nn.Module, stacked: Any, x: jax.Array, args: tuple) -> None:
@@ -321,6 +324,7 @@ def gathered_call(
     inputs: Any,
     remat: bool,
     chain: Chain | None = None,
+    unit: tuple | None = None,
 ) -> Any:
     """`run(full weights, inputs)` with the weights gathered from `shards` just before the call.
 
@@ -329,7 +333,8 @@ def gathered_call(
     whole block: a selective remat policy does not apply here); without it the gathered weights are
     kept for the backward pass, as `jax.grad` would. `inputs` may hold static leaves (flags, None).
     With a `chain` the gathers are issued one block early (prefetch), else they wait on this block's
-    own input and output cotangent.
+    own input and output cotangent. `unit`: the block's path, under which the tensor-parallel boundaries
+    it crosses are counted.
     """
     arrays, rebuild = _split_static(inputs)
     own = _anchor(arrays)
@@ -337,8 +342,13 @@ def gathered_call(
     if chain is not None and own is not None:
         chain.forward.append(own)
 
+    tensor_now = tensor.current()  # the backward pass reruns the block after the step's context closed
+
     def apply(weights: Any, arrays: list[Any]) -> Any:
-        return run(weights, rebuild(arrays))
+        layers = tensor_layers() if tensor_now else contextlib.nullcontext()
+        in_unit = tensor.in_unit(unit) if unit is not None else contextlib.nullcontext()
+        with tensor.tensor_context(tensor_now), layers, in_unit:
+            return run(weights, rebuild(arrays))
 
     if not remat:
         return apply(ops.gather_with_sink(_after(shards, anchor), sinks), arrays)
@@ -408,7 +418,7 @@ def _linen_block_call(next_fun: Callable[..., Any], args: Any, kwargs: Any, info
 
     ops = context.blocks[module.path]
     chain = context.chain if module.path in context.prefetch else None
-    out = gathered_call(ops, run, shards, sinks, (args, kwargs, lazy_rngs), context.remat, chain)
+    out = gathered_call(ops, run, shards, sinks, (args, kwargs, lazy_rngs), context.remat, chain, module.path)
     scope.rng_counters.update(used[0])
     return out
 

@@ -1,5 +1,9 @@
 """LLaMA in Flax linen: RMSNorm, RoPE, SwiGLU, grouped-query causal attention, layers in a `LayerStack`.
 
+Every parameter carries its logical axis names (`LOGICAL_NAMES`, MaxText's), which decide how a
+tensor-parallel step splits it; inside such a step the layers hold their slice of the heads, the ffn
+units and the vocabulary (`amsp_jax.layers.tensor`), with Megatron's column- and row-parallel pairs.
+
 Attention (`LlamaConfig.attention`, `amsp_jax.models.attention`): by default cuDNN's fused flash
 attention where the step is compiled for CUDA in bf16/fp16, and a blockwise online-softmax attention
 (plain JAX, custom VJP) everywhere else; neither holds the (seq, seq) scores. `attention: xla` is the
@@ -21,6 +25,7 @@ from amsp_jax.core import config_files
 from amsp_jax.cost.trace import ModelSpec
 from amsp_jax.cost.workload import llama_workload
 from amsp_jax.errors import AmspError, check_field_types
+from amsp_jax.layers import tensor
 from amsp_jax.layers.stack import LayerStack
 from amsp_jax.models import attention as attention_lib
 
@@ -122,6 +127,38 @@ class LlamaConfig:
             raise ModelConfigError(f"{path}: {error}") from None
 
 
+# Logical axis names of every parameter (MaxText's): the tensor rules split `q_heads`, `kv_heads`, `mlp`
+# and `vocab` by default.
+LOGICAL_NAMES: dict[str, tuple[str, ...]] = {
+    "attention_norm": ("norm",),
+    "wq": ("embed", "q_heads", "head_dim"),
+    "wk": ("embed", "kv_heads", "head_dim"),
+    "wv": ("embed", "kv_heads", "head_dim"),
+    "wo": ("q_heads", "head_dim", "embed"),
+    "ffn_norm": ("norm",),
+    "w1": ("embed", "mlp"),
+    "w3": ("embed", "mlp"),
+    "w2": ("mlp", "embed"),
+    "embed": ("vocab", "embed"),
+    "norm": ("norm",),
+    "lm_head": ("embed", "vocab"),
+}
+
+
+def _param(module: nn.Module, name: str, init: Any, shape: tuple[int, ...]) -> jax.Array:
+    """A parameter with its logical names, of the shape this tensor rank holds (whole outside a
+    tensor-parallel step); an error where the tensor rules would leave a split matmul whole."""
+    names = LOGICAL_NAMES[name]
+    whole = tensor.tensor_degree() > 1 and tensor.split_dim(names) is None
+    if whole and name not in ("attention_norm", "ffn_norm", "norm"):
+        raise ModelConfigError(
+            f"the LLaMA splits {name} ({', '.join(names)}) over the tensor axis, and the tensor rules "
+            "keep it whole; map q_heads, kv_heads, mlp and vocab to 'tensor' (the default rules do)"
+        )
+    local = tensor.local_shape(shape, names, name)
+    return module.param(name, nn.with_logical_partitioning(init, names), local)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in fp32, returned in the input dtype."""
     x32 = x.astype(jnp.float32)
@@ -155,22 +192,22 @@ class Block(nn.Module):
         shapes = c.layer_shapes()
         init = nn.initializers.normal(0.02)
         w = {
-            k: self.param(k, nn.initializers.ones if k.endswith("norm") else init, s)
+            k: _param(self, k, nn.initializers.ones if k.endswith("norm") else init, s)
             for k, s in shapes.items()
         }
         dtype = w["wq"].dtype
-        x_BTD = x_BTD.astype(dtype)
+        x_BTD = x_BTD.astype(dtype)  # in a sequence-parallel step, this rank's sequence shard
 
-        h = rms_norm(x_BTD, w["attention_norm"], c.norm_eps)
+        h = tensor.column_input(rms_norm(x_BTD, w["attention_norm"], c.norm_eps))
         q = apply_rope(jnp.einsum("btd,dhk->bthk", h, w["wq"]), cos, sin)
         k = apply_rope(jnp.einsum("btd,dhk->bthk", h, w["wk"]), cos, sin)
         v = jnp.einsum("btd,dhk->bthk", h, w["wv"])
         attn = attention_lib.attention(q, k, v, c.attention, c.attention_block)
-        x_BTD = x_BTD + jnp.einsum("bthk,hkd->btd", attn, w["wo"])
+        x_BTD = x_BTD + tensor.row_output(jnp.einsum("bthk,hkd->btd", attn, w["wo"]))
 
-        h = rms_norm(x_BTD, w["ffn_norm"], c.norm_eps)
+        h = tensor.column_input(rms_norm(x_BTD, w["ffn_norm"], c.norm_eps))
         gate = jax.nn.silu(h @ w["w1"]) * (h @ w["w3"])
-        return x_BTD + gate @ w["w2"]
+        return x_BTD + tensor.row_output(gate @ w["w2"])
 
 
 class Llama(nn.Module):
@@ -181,17 +218,17 @@ class Llama(nn.Module):
     @nn.compact
     def __call__(self, tokens_BT: jax.Array) -> jax.Array:
         c = self.config
-        embed = self.param("embed", nn.initializers.normal(0.02), (c.vocab_size, c.dim))
-        x_BTD = embedding_lookup(embed, tokens_BT)
+        embed = _param(self, "embed", nn.initializers.normal(0.02), (c.vocab_size, c.dim))
+        x_BTD = tensor.vocab_lookup(embed, tokens_BT, embedding_lookup)
         cos, sin = rope_tables(tokens_BT.shape[1], c.head_dim, c.rope_theta)
         x_BTD = LayerStack(Block(c, parent=None), c.n_layers, name="layers")(x_BTD, cos, sin)
-        x_BTD = rms_norm(x_BTD, self.param("norm", nn.initializers.ones, (c.dim,)), c.norm_eps)
+        x_BTD = rms_norm(x_BTD, _param(self, "norm", nn.initializers.ones, (c.dim,)), c.norm_eps)
         head = (
             embed.T
             if c.tie_embeddings
-            else self.param("lm_head", nn.initializers.normal(0.02), (c.dim, c.vocab_size))
+            else _param(self, "lm_head", nn.initializers.normal(0.02), (c.dim, c.vocab_size))
         )
-        return (x_BTD @ head).astype(jnp.float32)
+        return tensor.vocab_gather(tensor.column_input(x_BTD) @ head).astype(jnp.float32)
 
 
 @jax.custom_vjp

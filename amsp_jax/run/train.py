@@ -39,6 +39,7 @@ from amsp_jax.run.config import ConfigError, TrainConfig, load_config
 from amsp_jax.run.distributed import is_primary
 from amsp_jax.run.hooks import DivergedError
 from amsp_jax.run.loop import MetricsReader, loop
+from amsp_jax.step.batch import check_batch
 from amsp_jax.trainer import Trainer, TrainState
 
 __all__ = ["ConfigError", "DivergedError", "TrainConfig", "TrainResult", "load_config", "setup", "train"]
@@ -287,7 +288,7 @@ def _setup(
     model = Llama(model_config)
     trainer = Trainer(plan, model, make_optimizer(config), make_loss_fn(model), devices=devices)
     example = np.zeros((config.data.global_batch, config.data.seq_len), np.int32)
-    trainer.check_batch({"inputs": example})
+    check_batch(plan, {"inputs": example})
     state, data_seed, position, origin = _initial_state(config, trainer, checkpoints, example, model_config)
     return RunSetup(
         config, model_config, corpus, trainer, state, data_seed, position, run_dir, checkpoints, hardware,
@@ -325,7 +326,8 @@ def _initial_state(
 def _header(run: RunSetup) -> list[str]:
     config, model, trainer = run.config, run.model, run.trainer
     cluster, devices = trainer.plan.cluster, trainer.layout.mesh.devices.flat
-    per_device = config.data.global_batch // (cluster.num_devices * trainer.plan.micro_batches)
+    data_devices = cluster.num_devices // trainer.plan.strategy.tensor  # a tensor group shares its examples
+    per_device = config.data.global_batch // (data_devices * trainer.plan.micro_batches)
     count = sum(int(np.prod(shape)) for shape in param_shapes(trainer).values())
     lines = [
         "amsp-jax train",
@@ -339,7 +341,7 @@ def _header(run: RunSetup) -> list[str]:
     run_settings = config.run
     lines += [
         f"batch       {config.data.global_batch} sequences x {config.data.seq_len} tokens per step; "
-        f"{per_device} sequence(s) per device and micro-batch",
+        f"{per_device} sequence(s) per data-parallel device and micro-batch",
         f"data        {run.corpus.describe()}",
         f"run         {run.run_dir} ({run.origin}); eval every {run_settings.eval_every}, "
         f"checkpoint every {run_settings.checkpoint_every} (keep {run_settings.keep_checkpoints})",

@@ -18,7 +18,9 @@ from amsp_jax.step.program import TrainerError
 
 def check_batch(plan: Plan, batch: Any) -> None:
     """Raise a clear error when the global batch does not split into devices × micro-batches."""
-    devices, micro = plan.cluster.num_devices, plan.micro_batches
+    # The devices of a tensor group share their examples.
+    devices, micro = plan.cluster.num_devices // plan.strategy.tensor, plan.micro_batches
+    what = "devices" if plan.strategy.tensor == 1 else f"data-parallel devices (t={plan.strategy.tensor})"
     leaves = jax.tree.leaves(batch)
     if not leaves or not all(hasattr(x, "shape") for x in leaves):
         raise TrainerError(
@@ -32,7 +34,7 @@ def check_batch(plan: Plan, batch: Any) -> None:
     unit = devices * micro
     if size % unit:
         raise TrainerError(
-            f"global batch {size} does not split into {devices} devices x {micro} micro-batches; "
+            f"global batch {size} does not split into {devices} {what} x {micro} micro-batches; "
             f"use a multiple of {unit} (e.g. {max(1, size // unit) * unit})"
         )
 

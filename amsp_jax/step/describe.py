@@ -78,6 +78,15 @@ def _leaves(program: StepProgram) -> list[str]:
             f"carried     {', '.join(program.loss.collections)} ({count:,} values): whole on every device, "
             "updated by each micro-batch in turn, averaged over devices each step"
         )
+    split = [p for p, leaf in pl.leaves.items() if leaf.tensor_dim is not None]
+    if layout.tensor > 1:
+        count = sum(math.prod(pl.leaves[p].shape) for p in split)
+        total = sum(math.prod(leaf.shape) for leaf in pl.leaves.values())
+        form = "sequence-parallel" if program.plan.sequence_parallel else "no sequence parallelism"
+        lines.append(
+            f"tensor      t={layout.tensor}, {form}: {len(split)} leaves ({count / total:.0%} of the "
+            f"parameters) split over the tensor axis, by their logical names; the rest whole on it"
+        )
     two = ["/".join(map(str, p)) for p, leaf in pl.leaves.items() if leaf.minor_dim is not None]
     if two:
         more = f" (+{len(two) - 4} more)" if len(two) > 4 else ""

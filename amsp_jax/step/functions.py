@@ -11,6 +11,7 @@ One `train_step`, all in one `jit`:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -18,11 +19,12 @@ import jax.numpy as jnp
 import optax
 
 from amsp_jax.core.backend import selects_in_place
+from amsp_jax.layers.tensor import Boundary, recording_boundaries
 from amsp_jax.step.gradients import gradients, mean_loss
 from amsp_jax.step.program import StepProgram
 from amsp_jax.step.state import TrainState, init_state, param_blocks, refresh, zero_padding
 
-__all__ = ["eval_loss", "init_state", "train_step"]
+__all__ = ["eval_loss", "init_state", "tensor_boundaries", "train_step"]
 
 
 def train_step(
@@ -65,3 +67,15 @@ def train_step(
 def eval_loss(program: StepProgram, state: TrainState, batch: Any) -> jax.Array:
     """Mean loss of a global batch (already on the devices) under the state's P, without gradients."""
     return mean_loss(program, param_blocks(program, state), batch, state.step, state.collections)
+
+
+def tensor_boundaries(program: StepProgram, state: Any, batch: Any) -> tuple[Boundary, ...]:
+    """The tensor-parallel boundaries one micro-batch's forward pass crosses, in the order it crosses
+    them, from one abstract trace of the step's forward (its micro-batch loop traces the body once);
+    shapes suffice for `state` and `batch`."""
+    with recording_boundaries() as found:
+        jax.eval_shape(functools.partial(eval_loss, program), state, batch)
+    first: dict[Any, int] = {}  # a unit's code counted from its first trace (a scan may trace it twice)
+    for b in found:
+        first.setdefault(b.unit, b.trace)
+    return tuple(b for b in found if b.trace == first[b.unit])

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from amsp_jax.core.leaf import Path
 from amsp_jax.core.mesh import batch_spec
+from amsp_jax.core.tensor import TENSOR
 from amsp_jax.layers.stack import first_layer_scope
 from amsp_jax.step import collectives
 from amsp_jax.step.batch import device_rngs, split_micro_batches
@@ -66,7 +67,11 @@ def _to_opt_state(program: StepProgram, accumulated: tuple[dict, dict]) -> dict[
     placement and averaged over every device's micro-batches."""
     pl, schedule, layout = program.params, program.schedule, program.layout
     reduce_dtype = dtypes(program)[1]
-    count = layout.cluster.num_devices * program.plan.micro_batches
+    count = layout.data_devices * program.plan.micro_batches  # a tensor group shares its examples
+    # A leaf whole on every tensor rank: with sequence parallelism each rank holds the part of its
+    # sequence shards (summed here); without, every rank holds the same gradient (averaged, which also
+    # types it equal on every rank, as its OS placement needs).
+    tensor_copies = 1 if program.plan.sequence_parallel else layout.tensor
     accumulated, first_grads = accumulated
     for p, full in first_grads.items():
         # The kept first layer's gradient, summed over the micro-batches, onto G once.
@@ -80,6 +85,9 @@ def _to_opt_state(program: StepProgram, accumulated: tuple[dict, dict]) -> dict[
         if path in pl.frozen:  # the optimizer gives frozen leaves zero updates whatever they get
             return jnp.zeros(pl.leaves[path].block_shape(layout, "opt_state"), jnp.float32)
         reduced = collectives.execute(g_block.astype(reduce_dtype), schedule.leaves[path].reduction, True)
+        if layout.tensor > 1 and pl.leaves[path].tensor_dim is None:
+            reduced = jax.lax.psum(reduced, TENSOR)
+            return reduced.astype(jnp.float32) / (count * tensor_copies)
         return reduced.astype(jnp.float32) / count
 
     return {p: to_opt_state(p, g) for p, g in accumulated.items()}

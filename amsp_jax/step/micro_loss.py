@@ -6,6 +6,7 @@ Every function here runs inside `shard_map` over the program's mesh: arrays are 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,8 @@ from amsp_jax.layers.stack import (
     layer_context,
     linen_blocks,
 )
+from amsp_jax.layers.tensor import tensor_context
+from amsp_jax.layers.tensor_modules import tensor_layers
 from amsp_jax.step import collectives
 from amsp_jax.step.program import StepProgram, flatten
 
@@ -194,7 +197,9 @@ def micro_loss_fn(program: StepProgram) -> MicroLoss:
             for p, w in first.items()
         }
         context = context_of(_per_stack(program, sinks), _per_stack(program, attached))
-        with layer_context(context), linen_blocks():
+        tensor = program.tensor_context()
+        layers = tensor_layers() if tensor is not None else contextlib.nullcontext()
+        with layer_context(context), linen_blocks(), tensor_context(tensor), layers:
             return call_loss(program, traverse_util.unflatten_dict(tree), micro_batch, rng, variables)
 
     return micro_loss

@@ -25,10 +25,12 @@ from amsp_jax.core.mesh import Layout, LeafLayout, leaf_layout
 from amsp_jax.core.plan import Plan
 from amsp_jax.core.schedule import Schedule, StepSettings
 from amsp_jax.core.schedule import build as build_schedule
+from amsp_jax.core.tensor import DEFAULT_TENSOR_RULES, Rules
 from amsp_jax.cost import optimizer as optimizer_cost
 from amsp_jax.cost.optimizer import OptimizerUpdate
 from amsp_jax.errors import AmspError
 from amsp_jax.layers.discovery import Example, ExampleError, Layers, find_layers
+from amsp_jax.layers.tensor import TensorContext
 
 LossFn = Callable[..., Any]
 
@@ -141,6 +143,13 @@ class StepProgram:
     layers: Layers
     classes: tuple[type, ...] | None = None  # the block classes asked for (`Trainer(layers=...)`)
     collections: dict[str, Any] = dataclasses.field(default_factory=dict)  # carried, abstract
+    tensor_rules: Rules = DEFAULT_TENSOR_RULES  # logical name -> tensor axis or None (`core.tensor`)
+
+    def tensor_context(self) -> TensorContext | None:
+        """What the model's tensor-parallel layers read while the step traces it (None: t = 1)."""
+        if self.layout.tensor == 1:
+            return None
+        return TensorContext(self.layout.tensor, self.plan.sequence_parallel, self.tensor_rules)
 
 
 def without(optimizer: optax.GradientTransformation, frozen: Callable[[Path], bool]) -> Any:
@@ -159,7 +168,7 @@ def without(optimizer: optax.GradientTransformation, frozen: Callable[[Path], bo
 def build_program(
     plan: Plan, layout: Layout, model: Any, optimizer: optax.GradientTransformation, loss: LossSpec,
     key: jax.Array, example: Example, classes: tuple[type, ...] | None = None,
-    frozen: Callable[[Path], bool] | None = None,
+    frozen: Callable[[Path], bool] | None = None, tensor_rules: Rules = DEFAULT_TENSOR_RULES,
 ) -> StepProgram:  # fmt: skip
     """The step program of `model` called as `example` (shapes suffice) under `plan` on `layout`."""
     try:
@@ -175,7 +184,8 @@ def build_program(
         )
     optimizer = optimizer if frozen is None else without(optimizer, frozen)
     update = optimizer_cost.describe(optimizer, found.abstract_params)
-    leaves = found.leaves(frozen)
+    leaves = found.leaves(frozen, tensor_rules)
+    _check_tensor(layout, leaves)
     params = param_layout(layout, found, leaves, update)
     precision = plan.precision
     settings = StepSettings(
@@ -184,8 +194,19 @@ def build_program(
     schedule = build_schedule(layout, leaves, settings, params.split_largest)
     collections = _carried(model, key, example, found, loss.collections)
     return StepProgram(
-        plan, layout, params, schedule, optimizer, update, loss, model, example, found, classes, collections
-    )
+        plan, layout, params, schedule, optimizer, update, loss, model, example, found, classes, collections,
+        tensor_rules,
+    )  # fmt: skip
+
+
+def _check_tensor(layout: Layout, leaves: tuple[Leaf, ...]) -> None:
+    """An error for a tensor degree over a model that names no dimension the tensor axis splits."""
+    if layout.tensor > 1 and not any(leaf.tensor_dim is not None for leaf in leaves):
+        raise TrainerError(
+            f"t={layout.tensor} splits the weights that carry a tensor-split logical axis name, and this "
+            "model's parameters carry none; annotate its kernels (linen nn.with_logical_partitioning, "
+            "nnx nnx.with_partitioning) with e.g. ('embed', 'mlp'), or pass tensor_rules that map its names"
+        )
 
 
 def _check_params(found: Layers) -> None:
@@ -205,7 +226,7 @@ def _carried(
     """Shapes of the carried collections; an error when one is missing or lives in a gathered block."""
     if not names:
         return {}
-    variables = jax.eval_shape(lambda k: example.call(model.init, k), key)
+    variables = jax.eval_shape(lambda k: example.init(model, k), key)
     missing = [c for c in names if c not in variables]
     if missing:
         raise TrainerError(

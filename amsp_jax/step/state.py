@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,7 +102,7 @@ def fresh_state(program: StepProgram, master: Any, collections: Any) -> TrainSta
 def init_state(program: StepProgram, key: jax.Array) -> TrainState:
     """Pure and jit-able: the initial state from `key`, laid out on the program's shardings (under your
     own `jit`, pass `out_shardings=state_shardings(program)`); parameters are created in their shards."""
-    variables = program.example.call(program.model.init, key)
+    variables = program.example.init(program.model, key)
     leaves = program.params.leaves
     master = {
         p: pad(x.astype(jnp.float32), leaves[p].padded) for p, x in flatten(variables["params"]).items()
@@ -118,7 +119,7 @@ def state_from_params(program: StepProgram, params: Any) -> TrainState:
     shapes of `model.init(...)["params"]`, such as `amsp_jax.load_params(run_dir)` or
     `amsp_jax.read_params(file)` return; every process passes all of it.
     """
-    flat = flatten(params)
+    flat = flatten(nn.meta.unbox(params))  # as a linen model's init makes them, logical names or not
     given = {path: tuple(np.shape(x)) for path, x in flat.items()}
     expected = {path: leaf.shape for path, leaf in program.params.leaves.items()}
     if given != expected:
@@ -147,7 +148,7 @@ def initial_collections(program: StepProgram) -> dict[str, Any]:
     """The carried collections as the model's init makes them (key 0)."""
     if not program.loss.collections:
         return {}
-    variables = jax.jit(lambda k: program.example.call(program.model.init, k))(jax.random.key(0))
+    variables = jax.jit(lambda k: program.example.init(program.model, k))(jax.random.key(0))
     return {name: variables[name] for name in program.loss.collections}
 
 

@@ -1,0 +1,85 @@
+"""The bytes of tensor parallelism: the collectives of each boundary a forward pass crosses
+(`amsp_jax.layers.tensor.Boundary`), in the forward pass, again where remat recomputes a layer, and in
+the backward pass.
+
+Per boundary, with t devices in the tensor group and `whole` the elements of the activation at it:
+
+| boundary | sequence parallel: forward, backward | without: forward, backward |
+|---|---|---|
+| column input | all-gather of whole/t, reduce-scatter of whole | -, all-reduce of whole |
+| row output | reduce-scatter of whole, all-gather of whole/t | all-reduce of whole, - |
+| vocabulary gather | all-gather of whole/t, - (each rank keeps its slice) | the same |
+
+A layer's forward collectives run once more in its backward pass under remat (`dots` or `full`: a
+gathered or summed activation is not a matmul output, so it is recomputed, not saved); where the
+backend drops collectives whose result nothing reads (`backend.drops_unused_collective`), all but the
+layer's last row output, whose sum only becomes the layer's output, which no backward step reads. Each
+layer of a stack crosses the boundaries its code crosses; every micro-batch crosses them all.
+
+Besides the boundaries, a weight whole on every tensor rank (a norm's scale, a row-parallel bias) has
+its OS-placed gradient summed over the tensor group once per step (`step.gradients`).
+
+These bytes are in the audit's prediction; the time model and the planner do not price them yet.
+"""
+
+from __future__ import annotations
+
+import math
+
+from amsp_jax.core.backend import drops_unused_collective
+from amsp_jax.core.mesh import AxisPlan, leaf_layout
+from amsp_jax.core.schedule import ALL_REDUCE, REDUCE_SCATTER, REDUCTION, Implementation, Op, _Builder
+from amsp_jax.core.tensor import TENSOR
+from amsp_jax.cost.traffic import Transfer, transfer
+from amsp_jax.cost.workload import Workload
+from amsp_jax.layers.tensor import COLUMN, ROW, VOCAB
+
+TENSOR_FORWARD = "tensor boundaries (forward, remat)"
+TENSOR_BACKWARD = "tensor boundaries (backward)"
+
+
+def tensor_ops(axes: AxisPlan, workload: Workload) -> list[Op]:
+    """Every collective over the tensor axis in one step, with its executions."""
+    if axes.tensor == 1 or not workload.boundaries:
+        return []
+    layers = {leaf.unit: leaf.layers for leaf in workload.leaves if leaf.unit is not None and leaf.stacked}
+    build = _Builder(axes, Implementation().hierarchical)
+    group, sp = (TENSOR,), workload.sequence_parallel
+    last = {b.unit: i for i, b in enumerate(workload.boundaries)}  # each unit's last boundary
+    ops: list[Op] = []
+    for i, b in enumerate(workload.boundaries):
+        runs = layers.get(b.unit, 1) * workload.micro_batches
+        dropped = drops_unused_collective(workload.platform, REDUCE_SCATTER if sp else ALL_REDUCE)
+        layer_output = b.kind == ROW and last[b.unit] == i and dropped
+        forward = runs * (2 if b.unit is not None and workload.remat != "none" and not layer_output else 1)
+        shard = b.elements // axes.tensor
+        if b.kind == VOCAB or (b.kind == COLUMN and sp):
+            ops += build.all_gather(TENSOR_FORWARD, group, 1, shard, b.itemsize, forward)
+        if b.kind == COLUMN:
+            ops += (
+                build.reduce_scatter(TENSOR_BACKWARD, group, 1, b.elements, b.itemsize, runs)
+                if sp
+                else build.all_reduce(TENSOR_BACKWARD, group, b.elements, b.itemsize, runs)
+            )
+        if b.kind == ROW and sp:
+            ops += build.reduce_scatter(TENSOR_FORWARD, group, 1, b.elements, b.itemsize, forward)
+            ops += build.all_gather(TENSOR_BACKWARD, group, 1, shard, b.itemsize, runs)
+        elif b.kind == ROW:
+            ops += build.all_reduce(TENSOR_FORWARD, group, b.elements, b.itemsize, forward)
+    whole = [leaf for leaf in workload.leaves if leaf.tensor_dim is None and not leaf.frozen]
+    os_elements = sum(math.prod(leaf_layout(axes, leaf).block_shape(axes, "opt_state")) for leaf in whole)
+    ops += build.all_reduce(REDUCTION, group, os_elements, workload.precision.reduce_bytes, 1)
+    return ops
+
+
+def tensor_transfers(axes: AxisPlan, workload: Workload) -> list[Transfer]:
+    """`tensor_ops` as per-step transfers, merged by phase, kind and level."""
+    merged: dict[tuple[str, str, str], Transfer] = {}
+    for t in (transfer(op, workload) for op in tensor_ops(axes, workload)):
+        key = (t.phase, t.kind, t.level)
+        old = merged.get(key)
+        merged[key] = t if old is None else Transfer(
+            t.phase, t.kind, t.level, old.bytes + t.bytes, old.executions + t.executions, t.group, t.nodes
+        )  # fmt: skip
+    return list(merged.values())
+
