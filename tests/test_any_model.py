@@ -157,7 +157,7 @@ def compiled_memory(style: str, layers: tuple[type, ...] | None = None) -> tuple
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("style", [s for s in STYLES if s != "nnx list"])  # an nnx list: test_keyword_model
 def test_zero3_memory_is_per_layer(style):
     """Below the full parameters, and at most two gathered blocks above the same model built with
     LayerStack (its checkpointed scan holds one layer's weights; a loop of blocks gathers the next

@@ -160,7 +160,8 @@ def trained(name: str, strategy: str, micro_batches: int) -> tuple:
 # Each optimizer under ZeRO-3 (everything split 8 ways) with one micro-batch, and under the mixed plan
 # with three; Lion's and SGD's states are trees shaped like the parameters, placed as AdamW's are, so
 # the mixed plan of the masked AdamW stands for theirs.
-PLAIN = ("lion", "sgd_momentum")
+# Element-wise updates: their placement's collectives are the step's (tests/test_step.py checks those).
+PLAIN = ("lion", "sgd_momentum", "adamw_masked", "inject_hyperparams")
 PLANS = [
     (name, strategy, m)
     for name in OPTIMIZERS
