@@ -23,18 +23,15 @@ from amsp_jax.core.leaf import Leaf
 from amsp_jax.core.tensor import DEFAULT_TENSOR_RULES, Rules, tensor_dim
 from amsp_jax.errors import AmspError
 from amsp_jax.layers.stack import (
-    AbstractCall,
     LayerStack,
     Path,
     _is_lifted,
-    _shapes,
-    _split_static,
-    abstract_call,
     is_opaque,
     opaque,
     recording_stacks,
     stack_unused_recorder,
 )
+from amsp_jax.layers.unused import AbstractCall, _shapes, abstract_call, split_static
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +157,7 @@ def looked_up_leaves(model: Any, abstract_params: Any, example: Example | tuple[
     fixed positions (a layer of a stack picked in a loop) is not one. Read off the forward program
     (abstract shapes only)."""
     example = as_example(example)
-    arrays, rebuild = _split_static((example.args, example.kwargs))
+    arrays, rebuild = split_static((example.args, example.kwargs))
 
     def forward(params: Any, arrays: list[Any]) -> Any:
         args, kwargs = rebuild(arrays)

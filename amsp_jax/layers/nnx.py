@@ -26,7 +26,6 @@ from flax import nnx, traverse_util
 from amsp_jax.layers.discovery import BlockCall, Example, Found, find_blocks, first_shape
 from amsp_jax.layers.stack import (
     StackOps,
-    abstract_call,
     current_context,
     gathered_call,
     is_opaque,
@@ -34,6 +33,7 @@ from amsp_jax.layers.stack import (
     opaque,
     split_pairs,
 )
+from amsp_jax.layers.unused import abstract_call
 
 Path = tuple[Any, ...]
 

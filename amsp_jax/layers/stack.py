@@ -26,13 +26,12 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.extend.core as jax_core
 import jax.numpy as jnp
-import numpy as np
 
 from amsp_jax.layers import tensor
 from amsp_jax.layers.scan import prefetched_scan
 from amsp_jax.layers.tensor_modules import tensor_layers
+from amsp_jax.layers.unused import backward_unused, split_static
 
 STACK_PARAM = "layer"
 # The name scope, under its stack's module path, of a kept first layer's once-per-step collectives
@@ -284,18 +283,6 @@ def split_pairs(tree: Any) -> tuple[Any, Any]:
     return shards, sinks
 
 
-def _split_static(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
-    """The arrays of `tree` (differentiable or not) and how to put them back among its static leaves."""
-    leaves, treedef = jax.tree.flatten(tree)
-    dynamic = [isinstance(x, jax.Array | np.ndarray) for x in leaves]
-
-    def rebuild(arrays: list[Any]) -> Any:
-        it = iter(arrays)
-        return treedef.unflatten([next(it) if d else x for x, d in zip(leaves, dynamic, strict=True)])
-
-    return [x for x, d in zip(leaves, dynamic, strict=True) if d], rebuild
-
-
 def _anchor(values: Any) -> jax.Array | None:
     """One element of the first floating array of `values` (a block's input or output cotangent)."""
     floating = [v for v in jax.tree.leaves(values) if jnp.issubdtype(v.dtype, jnp.floating) and v.size]
@@ -336,7 +323,7 @@ def gathered_call(
     own input and output cotangent. `unit`: the block's path, under which the tensor-parallel boundaries
     it crosses are counted.
     """
-    arrays, rebuild = _split_static(inputs)
+    arrays, rebuild = split_static(inputs)
     own = _anchor(arrays)
     anchor = chain.forward[-1] if chain is not None and chain.forward else own
     if chain is not None and own is not None:
@@ -428,84 +415,3 @@ def linen_blocks() -> Iterator[None]:
     """Route calls of the blocks named in the active `LayerContext` through `gathered_call`."""
     with nn.intercept_methods(_linen_block_call):
         yield
-
-
-def _live_inputs(jaxpr: jax_core.Jaxpr) -> list[bool]:
-    """Which inputs of `jaxpr` its outputs depend on (an equation with effects counts as an output;
-    one with a sub-program reads all its inputs)."""
-    live = {v for v in jaxpr.outvars if isinstance(v, jax_core.Var)}
-    for eqn in reversed(jaxpr.eqns):
-        if eqn.effects or any(v in live for v in eqn.outvars):
-            live.update(v for v in eqn.invars if isinstance(v, jax_core.Var))
-    return [v in live for v in jaxpr.invars]
-
-
-def backward_unused(run: Callable[[Any, Any], Any], weights: Any, inputs: Any) -> frozenset[Path]:
-    """Paths of `weights` whose values the backward pass of `run(weights, inputs)` never reads.
-
-    A bias added just before a residual sum is one: its gradient is the output's, and nothing
-    downstream multiplies by it. XLA drops the backward re-gather of such a weight as dead code, so
-    the schedule must not count it. Read off the backward program's dependencies (abstract shapes
-    only; nothing runs).
-    """
-    return abstract_call(run, weights, inputs).backward_unused()
-
-
-@dataclasses.dataclass(frozen=True)
-class AbstractCall:
-    """A call `run(weights, inputs)` kept as shapes: what `backward_unused` traces, and a key equal for
-    calls whose backward programs are the same (one module class and configuration, the same weight
-    and input shapes and the same static inputs), or None where an input cannot be compared."""
-
-    run: Callable[[Any, Any], Any]
-    weights: Any
-    arrays: list[Any]
-    rebuild: Callable[[list[Any]], Any]
-    key: Any
-
-    def backward_unused(self) -> frozenset[Path]:
-        """See `backward_unused`."""
-
-        def apply(weights: Any, arrays: list[Any]) -> Any:
-            return self.run(weights, self.rebuild(arrays))
-
-        try:
-            out = jax.eval_shape(apply, self.weights, self.arrays)
-            if not all(jnp.issubdtype(o.dtype, jnp.floating) for o in jax.tree.leaves(out)):
-                return frozenset()
-            backward = lambda w, a, cot: jax.vjp(apply, w, a)[1](cot)  # noqa: E731
-            jaxpr = jax.make_jaxpr(backward)(self.weights, self.arrays, out).jaxpr
-        except Exception:  # a block that needs what an abstract trace lacks (an RNG stream): count all
-            return frozenset()
-        paths = list(_shapes(self.weights))  # in flattening order, as the program's inputs
-        live = _live_inputs(jaxpr)
-        return frozenset(p for p, used in zip(paths, live, strict=False) if not used)
-
-
-def abstract_call(
-    run: Callable[[Any, Any], Any], weights: Any, inputs: Any, config: Any = None
-) -> AbstractCall:
-    """`run(weights, inputs)` as shapes (tracers of an enclosing trace are not kept); `config`: what
-    else decides the program (a linen module without its name), part of the key; without it no key."""
-    arrays, rebuild = _split_static(inputs)
-    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)  # noqa: E731
-    weights, arrays = abstract(weights), abstract(arrays)
-    static = [x for x in jax.tree.leaves(inputs) if not isinstance(x, jax.Array | np.ndarray)]
-    key: Any = (
-        config,
-        jax.tree.structure(inputs),
-        tuple((a.shape, a.dtype) for a in arrays),
-        tuple(static),
-        tuple(_shapes(weights).items()),
-        tuple(str(w.dtype) for w in jax.tree.leaves(weights)),
-    )
-    try:
-        hash(key)
-    except TypeError:
-        key = None
-    return AbstractCall(run, weights, arrays, rebuild, None if config is None else key)
-
-
-def _shapes(tree: Any) -> dict[Path, tuple[int, ...]]:
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {tuple(str(getattr(k, "key", k)) for k in keys): tuple(np.shape(v)) for keys, v in flat}
