@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 import jax
 import jax.numpy as jnp
 
-from amsp_jax.core.tensor import DEFAULT_TENSOR_RULES, TENSOR, Rules, tensor_dim
+from amsp_jax.core.tensor import DEFAULT_TENSOR_RULES, TENSOR, Rules, TensorRuleError, tensor_dim
 
 SEQUENCE_DIM = 1  # activations are (batch, sequence, ...)
 
@@ -137,7 +137,7 @@ def local_size(size: int, what: str) -> int:
     """`size // tensor_degree()`, or an error naming `what` when the degree does not divide it."""
     degree = tensor_degree()
     if size % degree:
-        raise ValueError(
+        raise TensorRuleError(
             f"{what} is {size}, which tensor degree t={degree} does not divide; choose a t that divides it"
         )
     return size // degree
@@ -165,7 +165,7 @@ def _sequence_parallel(context: TensorContext, x: jax.Array) -> bool:
     if not context.sequence_parallel:
         return False
     if x.ndim < 2:
-        raise ValueError(
+        raise TensorRuleError(
             f"sequence parallelism splits activations along dimension {SEQUENCE_DIM} (batch, sequence, "
             f"...), and a tensor-parallel matmul met an input of shape {x.shape}; turn it off with "
             "Plan(..., sequence_parallel=False)"
@@ -248,7 +248,7 @@ def sequence_shard(x: jax.Array) -> jax.Array:
         return x
     size = x.shape[SEQUENCE_DIM]
     if size % context.degree:
-        raise ValueError(
+        raise TensorRuleError(
             f"sequence parallelism splits the sequence ({size} positions) over t={context.degree} ranks, "
             "which does not divide it; use a sequence length that divides, or Plan(..., "
             "sequence_parallel=False)"

@@ -80,7 +80,7 @@ def _dense(module: nn.DenseGeneral | nn.Dense, inputs: jax.Array, axis: tuple[in
     if dim is None or names is None:
         return None
     if getattr(module, "batch_dims", ()):
-        raise ValueError(
+        raise TensorRuleError(
             f"{type(module).__name__} {module.name}: tensor parallelism does not split a kernel with "
             "batch_dims; keep it whole (map its names to None in tensor_rules)"
         )
@@ -93,7 +93,7 @@ def _embed(module: nn.Embed, inputs: jax.Array) -> jax.Array:
     table = module.get_variable("params", "embedding")
     dim, _ = _split(module.embedding_init, (module.num_embeddings, module.features))
     if dim not in (None, 0):
-        raise ValueError(
+        raise TensorRuleError(
             f"nn.Embed {module.name}: the tensor rules split its feature dimension; split its rows "
             "(logical name 'vocab') or keep it whole"
         )
@@ -104,7 +104,7 @@ def _embed(module: nn.Embed, inputs: jax.Array) -> jax.Array:
     context = tensor.current()
     if context is not None and context.sequence_parallel:
         if out.ndim < 3:
-            raise ValueError(
+            raise TensorRuleError(
                 f"nn.Embed {module.name} is whole on every tensor rank and its output {out.shape} has no "
                 "(batch, sequence) dimensions to split for sequence parallelism; index it with (batch or "
                 "1, sequence) ids, or pass Plan(..., sequence_parallel=False)"
