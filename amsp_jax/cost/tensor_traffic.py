@@ -30,7 +30,7 @@ from amsp_jax.core.backend import drops_unused_collective
 from amsp_jax.core.mesh import AxisPlan, leaf_layout
 from amsp_jax.core.schedule import ALL_REDUCE, REDUCE_SCATTER, REDUCTION, Implementation, Op, _Builder
 from amsp_jax.core.tensor import TENSOR
-from amsp_jax.cost.traffic import Transfer, transfer
+from amsp_jax.cost.traffic import Transfer, issued, largest_gather_bytes
 from amsp_jax.cost.workload import Workload
 from amsp_jax.layers.tensor import COLUMN, ROW, VOCAB
 
@@ -47,9 +47,9 @@ def tensor_ops(axes: AxisPlan, workload: Workload) -> list[Op]:
     group, sp = (TENSOR,), workload.sequence_parallel
     last = {b.unit: i for i, b in enumerate(workload.boundaries)}  # each unit's last boundary
     ops: list[Op] = []
+    dropped = drops_unused_collective(workload.platform, REDUCE_SCATTER if sp else ALL_REDUCE)
     for i, b in enumerate(workload.boundaries):
         runs = layers.get(b.unit, 1) * workload.micro_batches
-        dropped = drops_unused_collective(workload.platform, REDUCE_SCATTER if sp else ALL_REDUCE)
         layer_output = b.kind == ROW and last[b.unit] == i and dropped
         forward = runs * (2 if b.unit is not None and workload.remat != "none" and not layer_output else 1)
         shard = b.elements // axes.tensor
@@ -73,13 +73,6 @@ def tensor_ops(axes: AxisPlan, workload: Workload) -> list[Op]:
 
 
 def tensor_transfers(axes: AxisPlan, workload: Workload) -> list[Transfer]:
-    """`tensor_ops` as per-step transfers, merged by phase, kind and level."""
-    merged: dict[tuple[str, str, str], Transfer] = {}
-    for t in (transfer(op, workload) for op in tensor_ops(axes, workload)):
-        key = (t.phase, t.kind, t.level)
-        old = merged.get(key)
-        merged[key] = t if old is None else Transfer(
-            t.phase, t.kind, t.level, old.bytes + t.bytes, old.executions + t.executions, t.group, t.nodes
-        )  # fmt: skip
-    return list(merged.values())
-
+    """`tensor_ops` as per-step transfers, merged as the placements' are (`traffic.issued`)."""
+    ops = [(1, op) for op in tensor_ops(axes, workload)]
+    return issued(ops, workload, largest_gather_bytes(axes, workload)) if ops else []
