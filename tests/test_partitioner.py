@@ -15,7 +15,7 @@ from amsp_jax.cost.hardware import PASS_BLOCKS, from_dict
 from amsp_jax.cost.hardware import load as load_cluster
 from amsp_jax.models.llama import LlamaConfig, llama_spec
 from amsp_jax.planner import ilp, priced, search
-from amsp_jax.planner.request import PlanError, Request, make_request
+from amsp_jax.planner.request import PlanError, Request, make_request, tensor_options
 from amsp_jax.planner.search import price_alternatives
 from amsp_jax.planner.terms import Candidate, Terms, build_terms, placements, valid_strategies
 
@@ -86,6 +86,12 @@ def generated_case(seed: int, optimizer: str = "adam") -> Terms:
         global_batch=per_device * nodes * per_node,
         optimizer=optimizer,
     )
+    # Half the cases at a tensor degree t > 1 the model and node allow, sequence parallelism on or off
+    # (drawn apart, so that the other draws stay those of the t = 1 cases).
+    tensor = random.Random(seed + 1000)
+    options = [r for r in tensor_options(dataclasses.replace(request, tensor_degrees=None)) if r.tensor > 1]
+    if options and tensor.random() < 0.5:
+        request = tensor.choice(options)
     terms = build_terms(request)
     memories = [
         terms.memory(Candidate(s, b, r))
@@ -196,11 +202,17 @@ def test_the_priced_alternatives_put_the_chosen_plan_beside_every_preset():
     model = llama_spec("llama-7b")
     request = make_request(model, "a800-8x-ib800", 16, seq_len=4096, global_batch_tokens=2**19)
     table = price_alternatives(request)
-    assert [row.name for row in table.rows] == ["chosen", *priced.PRESET_ROWS]
-    fitting = [row.estimate.time.step_s for row in table.presets if row.feasible]
+    # The best plan at every other tensor degree of the node (the model's 32 heads allow 2, 4, 8).
+    others = [f"t={t}" for t in (2, 4, 8) if t != table.chosen.strategy.tensor]
+    assert [row.name for row in table.rows] == ["chosen", *others, *priced.PRESET_ROWS]
+    assert [row.strategy.tensor for row in table.by_tensor] == [int(name[2:]) for name in others]
+    fitting = [row.estimate.time.step_s for row in (*table.by_tensor, *table.presets) if row.feasible]
     assert table.chosen.feasible and table.chosen.estimate.time.step_s <= min(fitting)
     given = price_alternatives(request, "zero3").chosen
     assert given.strategy == resolve("zero3", request.cluster.cluster())
+    given = price_alternatives(request, "t=2,zero3").chosen
+    assert given.strategy == resolve("t=2,zero3", request.cluster.cluster())
+    assert given.estimate.time.tensor_s > 0
 
 
 @pytest.mark.parametrize("seed", [3, 11, 29, 41])

@@ -13,7 +13,7 @@ from amsp_jax.cost.hardware import ClusterConfig
 from amsp_jax.cost.optimizer import KINDS
 from amsp_jax.cost.trace import from_entry_point
 from amsp_jax.models.llama import llama_spec
-from amsp_jax.planner import PricedPlan, make_request, price_alternatives
+from amsp_jax.planner import PlanError, PricedPlan, make_request, price_alternatives
 from amsp_jax.planner.request import GIB
 
 
@@ -57,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="plans with micro-batches keep each layer stack's first layer gathered for the step (its "
         "memory counted)",
+    )
+    parser.add_argument(
+        "--tensor",
+        default="auto",
+        help="tensor-parallel degrees to search: auto (every divisor of the devices per node that the "
+        "model's split dimensions allow) or a list such as 1,2 (default: auto)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -113,6 +119,15 @@ def provenance(hardware: ClusterConfig) -> str:
     return line
 
 
+def _tensor_degrees(text: str) -> tuple[int, ...] | None:
+    if text == "auto":
+        return None
+    parts = [part.strip() for part in text.split(",")]
+    if not parts or not all(part.isdigit() and int(part) >= 1 for part in parts):
+        raise PlanError(f"--tensor {text!r} is not auto or a list of positive integers; write e.g. 1,2,4")
+    return tuple(int(part) for part in parts)
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan (or evaluate `--strategy`), print the chosen plan beside the presets.
 
@@ -132,9 +147,10 @@ def run(args: argparse.Namespace) -> int:
         remat=args.remat,
         optimizer=args.optimizer,
         keep_first_layer=args.keep_first_layer,
+        tensor_degrees=_tensor_degrees(args.tensor),
     )
     priced = price_alternatives(request, args.strategy)
-    chosen, rows, solve_time = priced.chosen, list(priced.presets), priced.solve_time_s
+    chosen, rows, solve_time = priced.chosen, [*priced.by_tensor, *priced.presets], priced.solve_time_s
 
     hardware = request.cluster
     if args.json:

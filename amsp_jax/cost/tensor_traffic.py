@@ -19,7 +19,8 @@ layer of a stack crosses the boundaries its code crosses; every micro-batch cros
 Besides the boundaries, a weight whole on every tensor rank (a norm's scale, a row-parallel bias) has
 its OS-placed gradient summed over the tensor group once per step (`step.gradients`).
 
-These bytes are in the audit's prediction; the time model and the planner do not price them yet.
+These bytes are in the audit's prediction; the time model prices them on the critical path
+(`timing.tensor_seconds`), which is how the planner weighs a tensor degree.
 """
 
 from __future__ import annotations

@@ -76,12 +76,14 @@ from collections.abc import Mapping
 
 import jax.numpy as jnp
 
-from amsp_jax.core.mesh import AxisPlan
+from amsp_jax.core.mesh import AxisPlan, plan_axes
 from amsp_jax.core.schedule import COLLECTIVE_PERMUTE, PHASES, Op, grad_dtype
+from amsp_jax.core.space import Placement, Strategy
 from amsp_jax.cost import memory_traffic
 from amsp_jax.cost.device_memory import Memory
 from amsp_jax.cost.hardware import PASS_BLOCKS, PASS_DEFAULTS, SPLIT_RESULTS, STORED_PARAMS, ClusterConfig
 from amsp_jax.cost.prediction import Prediction, predict
+from amsp_jax.cost.tensor_traffic import tensor_transfers
 from amsp_jax.cost.traffic import Transfer, issued, largest_gather_bytes, leaf_ops
 from amsp_jax.cost.workload import FP32, Leaf, Workload
 
@@ -188,18 +190,26 @@ def communication_times(traffic: Traffic, cluster: ClusterConfig) -> dict[str, f
 
 @dataclasses.dataclass(frozen=True)
 class Compute:
-    """Compute seconds of one step per device, split by what communication can hide behind."""
+    """Compute seconds of one step per device, split by what communication can hide behind, and the
+    tensor-parallel collectives the matmuls wait for (`tensor_seconds`)."""
 
     forward_layers: float
     backward_layers: float
     forward_other: float
     backward_other: float
     micro_batches: int
+    tensor: float = 0.0
 
     @property
     def total(self) -> float:
         """All compute of the step."""
         return self.forward_layers + self.backward_layers + self.forward_other + self.backward_other
+
+    @property
+    def serial(self) -> float:
+        """Compute and the tensor-parallel collectives between its matmuls: the step's critical path
+        before memory passes and exposed data-parallel communication."""
+        return self.total + self.tensor
 
     @property
     def first_forward(self) -> float:
@@ -226,18 +236,21 @@ def matmul_width(leaf: Leaf) -> float:
 
 
 def compute_times(workload: Workload, cluster: ClusterConfig) -> Compute:
-    """Seconds of the layers' and the other leaves' forward and backward, remat included."""
+    """Seconds of the layers' and the other leaves' forward and backward, remat included; under tensor
+    degree t each device multiplies with its slice of every tensor-split leaf and 1/t of the heads."""
     tokens = workload.tokens_per_device()
     # Every matmul of a micro-batch runs over its tokens at once (the attention's over its queries),
     # each leaf's at the rate of its width, the attention's at the model's.
     run, dtype = workload.micro_batch_size * workload.seq_len, workload.precision.param_dtype
+    t = workload.tensor
 
     def forward_seconds(leaves: list[Leaf]) -> float:
-        return tokens * sum(2 * x.size / cluster.matmul_rate(run, dtype, matmul_width(x)) for x in leaves)
+        local = [dataclasses.replace(x, shape=x.local_shape(t)) for x in leaves]
+        return tokens * sum(2 * x.size / cluster.matmul_rate(run, dtype, matmul_width(x)) for x in local)
 
     layers = forward_seconds([x for x in workload.leaves if x.stacked])
     other = forward_seconds([x for x in workload.leaves if not x.stacked and not x.looked_up])
-    attention = tokens / cluster.matmul_rate(run, dtype, workload.dims.dim)
+    attention = tokens / t / cluster.matmul_rate(run, dtype, workload.dims.dim)
     forward_layers = layers + workload.attention_run_flops_per_token(12) // 3 * attention
     recompute = recomputed_attention_flops_per_token(workload) * attention
     if workload.remat == "full":
@@ -248,7 +261,19 @@ def compute_times(workload: Workload, cluster: ClusterConfig) -> Compute:
         forward_other=other,
         backward_other=2 * other,
         micro_batches=workload.micro_batches,
+        tensor=tensor_seconds(workload, cluster),
     )
+
+
+def tensor_seconds(workload: Workload, cluster: ClusterConfig) -> float:
+    """Seconds of the step's tensor-parallel collectives (`cost.tensor_traffic`), each on the critical
+    path: in the `gather` form a matmul waits for its input's gather and the next layer for its
+    output's sum. The sum of the tensor-replicated leaves' gradients is priced at its largest (OS
+    unsplit) so that the term depends on the batching alone."""
+    if workload.tensor == 1 or not workload.boundaries:
+        return 0.0
+    axes = plan_axes(cluster.cluster(), Strategy(Placement(), Placement(), Placement(), workload.tensor))
+    return sum(transfer_time(t, cluster) for t in tensor_transfers(axes, workload))
 
 
 def optimizer_time(memory: Memory, param_bytes: int, cluster: ClusterConfig) -> float:
@@ -392,17 +417,18 @@ class StepTime:
 
     compute_s: float
     memory_s: Mapping[str, float]  # memory-bound passes by block (`memory_times`)
+    tensor_s: float  # tensor-parallel collectives on the critical path (`tensor_seconds`)
     communication_s: Mapping[str, float]
     exposed_s: Mapping[str, float]
     model_flops_per_device: float
     peak_flops: float
-    tokens_per_device: int
+    tokens_per_device: float  # a tensor group's tokens shared over its t devices
 
     @property
     def step_s(self) -> float:
         """Compute, the memory-bound passes (the optimizer update among them) and the communication no
         compute hides."""
-        return self.compute_s + sum(self.memory_s.values()) + sum(self.exposed_s.values())
+        return self.compute_s + self.tensor_s + sum(self.memory_s.values()) + sum(self.exposed_s.values())
 
     @property
     def mfu(self) -> float:
@@ -424,12 +450,13 @@ def combine(
     """The step time of given communication, compute and memory-pass seconds."""
     return StepTime(
         compute_s=compute.total,
+        tensor_s=compute.tensor,
         memory_s=dict(memory_s),
         communication_s=dict(comm),
         exposed_s=exposed_times(comm, compute, cluster),
-        model_flops_per_device=float(workload.flops_per_token() * workload.tokens_per_device()),
+        model_flops_per_device=workload.flops_per_token() * workload.tokens_per_device() / workload.tensor,
         peak_flops=cluster.peak_flops,
-        tokens_per_device=workload.tokens_per_device(),
+        tokens_per_device=workload.tokens_per_device() / workload.tensor,
     )
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from amsp_jax.core.plan import Precision
 from amsp_jax.cost.workload import Leaf, ModelDims, Workload
 from amsp_jax.layers.discovery import Example, Layers, as_example, find_layers
+from amsp_jax.layers.tensor import Boundary
 
 LeafPath = tuple[Any, ...]
 
@@ -40,6 +41,9 @@ class ModelSpec:
     prefetchable: bool  # its layers can prefetch (a LayerStack, or a loop of blocks)
     # Muon's `muon_weight_dimension_numbers` for these parameters; None: optax's rule (every 2-D leaf).
     muon_dimensions: Callable[[Any], Any] | None = None
+    # The tensor-parallel boundaries one micro-batch's forward crosses (`layers.tensor.Boundary`), given
+    # (micro-batch size, sequence length, bytes per activation element); None: t > 1 is not planned.
+    boundaries: Callable[[int, int, int], tuple[Boundary, ...]] | None = None
 
     def num_params(self) -> int:
         """Parameters of the traced model."""
@@ -51,10 +55,23 @@ class ModelSpec:
         return self.dims.n_layers
 
     def workload(
-        self, seq_len: int, micro_batch_size: int, micro_batches: int, precision: Precision, remat: str
+        self,
+        seq_len: int,
+        micro_batch_size: int,
+        micro_batches: int,
+        precision: Precision,
+        remat: str,
+        tensor: int = 1,
+        sequence_parallel: bool = True,
     ) -> Workload:
-        """The cost model's workload for one choice of batching, precision and remat."""
-        return Workload(self.leaves, self.dims, seq_len, micro_batch_size, micro_batches, precision, remat)
+        """The cost model's workload for one choice of batching, precision, remat and tensor degree."""
+        w = Workload(self.leaves, self.dims, seq_len, micro_batch_size, micro_batches, precision, remat)
+        if tensor == 1:
+            return w
+        if self.boundaries is None:
+            raise ValueError(f"{self.name} does not describe its tensor-parallel boundaries; plan it at t=1")
+        found = self.boundaries(micro_batch_size, seq_len, precision.param_bytes)
+        return w.with_(tensor=tensor, sequence_parallel=sequence_parallel, boundaries=found)
 
 
 def infer_dims(layers: Layers, leaves: tuple[Leaf, ...], vocab: int) -> ModelDims:

@@ -65,6 +65,9 @@ class Workload:
     # the activations between them are split along the sequence.
     boundaries: tuple[Boundary, ...] = ()
     sequence_parallel: bool = True
+    # The tensor degree the step runs at: each device multiplies with its 1/t slice of every
+    # tensor-split leaf, over all its group's tokens.
+    tensor: int = 1
 
     def wire_bytes(self, itemsize: int) -> int:
         """Bytes per element on the wire for a tensor of `itemsize`."""

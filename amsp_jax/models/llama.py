@@ -13,6 +13,7 @@ materialising dot / softmax / dot.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from amsp_jax.core import config_files
+from amsp_jax.core.leaf import Leaf
+from amsp_jax.core.tensor import tensor_dim
 from amsp_jax.cost.trace import ModelSpec
 from amsp_jax.cost.workload import llama_workload
 from amsp_jax.errors import AmspError, check_field_types
@@ -314,4 +317,33 @@ def llama_spec(model: LlamaConfig | str | Path) -> ModelSpec:
     if not isinstance(model, LlamaConfig):
         model = LlamaConfig.from_yaml(config_files.find("models", model, ModelConfigError))
     workload = llama_workload(model, seq_len=1)
-    return ModelSpec(model.name, workload.leaves, workload.dims, True, muon_dimension_numbers)
+    leaves = tuple(_with_tensor_dim(leaf) for leaf in workload.leaves)
+    return ModelSpec(
+        model.name, leaves, workload.dims, True, muon_dimension_numbers,
+        functools.partial(llama_boundaries, model),
+    )  # fmt: skip
+
+
+def _with_tensor_dim(leaf: Leaf) -> Leaf:
+    """`leaf` with the dimension the default tensor rules split, from its logical names."""
+    names = LOGICAL_NAMES[leaf.path[-1]]
+    dim = tensor_dim(names)
+    return leaf if dim is None else dataclasses.replace(leaf, tensor_dim=dim + (1 if leaf.stacked else 0))
+
+
+def llama_boundaries(
+    config: LlamaConfig, micro_batch_size: int, seq_len: int, itemsize: int
+) -> tuple[tensor.Boundary, ...]:
+    """The tensor-parallel boundaries one micro-batch's forward of this model crosses, in order: the
+    vocabulary-split embedding's sum; per layer the attention's column input (queries, keys and values
+    share it), its output projection's row output, the MLP's column input (gate and up) and its down
+    projection's row output; the head's column input and the vocabulary gather of the logits."""
+    tokens = micro_batch_size * seq_len
+    act, unit = tokens * config.dim, ("layers",)
+    layer = (tensor.COLUMN, tensor.ROW, tensor.COLUMN, tensor.ROW)
+    return (
+        tensor.Boundary(tensor.ROW, act, itemsize),
+        *(tensor.Boundary(kind, act, itemsize, unit, 1) for kind in layer),
+        tensor.Boundary(tensor.COLUMN, act, itemsize),
+        tensor.Boundary(tensor.VOCAB, tokens * config.vocab_size, itemsize),
+    )

@@ -328,7 +328,7 @@ class _Problem:
         scale = 1e4 / max(c.total for c in terms.compute.values())
         exposed = self.exposed_windows(scale)
         self.prob += (
-            scale * _total(terms.compute[k].total * w[k] for k in w)
+            scale * _total(terms.compute[k].serial * w[k] for k in w)
             + scale * _total(terms.passes[(c, *k)] * z[(c, *k)] for c in COMPONENTS for k in terms.possible)
             # A P that is the master (no stored block) has no passes of its own.
             - scale * _total(terms.passes[("P", a, pi)] * v for (a, _, pi), v in self.from_master.items())
@@ -351,7 +351,8 @@ class _Problem:
         def pick(variables: dict) -> object:
             return max(variables, key=lambda key: variables[key].value() or 0.0)
 
-        strategy = Strategy(*(pick({q: self.x[(c, q)] for q in self.qs}) for c in COMPONENTS))
+        picked = (pick({q: self.x[(c, q)] for q in self.qs}) for c in COMPONENTS)
+        strategy = self.terms.request.strategy(*picked)
         return Candidate(strategy, pick(self.mb), pick(self.rho))
 
 

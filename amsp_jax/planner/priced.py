@@ -32,6 +32,7 @@ class PricedPlan:
     devices: int
     solve_time_s: float | None = None
     implementation: Implementation = dataclasses.field(default_factory=Implementation)
+    sequence_parallel: bool = True
 
     def to_plan(self, cluster: Cluster, precision: Precision | str = "mixed") -> Plan:
         """The `Plan` that runs this row on `cluster` (a `Trainer` takes it as is)."""
@@ -39,6 +40,7 @@ class PricedPlan:
             cluster, self.strategy, self.micro_batches, precision=precision, remat=self.remat,
             hierarchical=self.implementation.hierarchical, prefetch=self.implementation.prefetch,
             keep_first_layer=self.implementation.keep_first_layer, memory_limit=self.memory_limit,
+            sequence_parallel=self.sequence_parallel,
         )  # fmt: skip
 
     @property
@@ -125,6 +127,8 @@ def price(
     solve_time_s: float | None = None,
 ) -> PricedPlan:
     """One plan by the full cost and time models (`hpz`: ZeRO++'s secondary copy, see `_hpz`)."""
+    if strategy.tensor != request.tensor:
+        request = dataclasses.replace(request, tensor=strategy.tensor)
     micro_batches = dict(request.batchings())[micro_batch_size]
     workload = request.workload(micro_batch_size, micro_batches, remat)
     if hpz:
@@ -132,7 +136,7 @@ def price(
         description = f"{strategy},hpz={Placement(request.cluster.devices_per_node, 1)}"
     else:
         estimate = timing.estimate(plan_axes(request.cluster.cluster(), strategy), workload, request.cluster)
-        description = str(strategy)
+        description = str(strategy) + ("" if strategy.tensor == 1 or request.sequence_parallel else ",no-sp")
     return PricedPlan(
         name,
         strategy,
@@ -145,6 +149,7 @@ def price(
         request.devices,
         solve_time_s,
         request.implementation,
+        request.sequence_parallel,
     )
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from amsp_jax.core.backend import selects_in_place
 from amsp_jax.core.plan import REMAT_POLICIES, Precision
 from amsp_jax.core.schedule import Implementation, uses_prefetch
-from amsp_jax.core.space import Cluster
+from amsp_jax.core.space import Cluster, Placement, Strategy
 from amsp_jax.cost import Workload, host_profile, looped_blocks
 from amsp_jax.cost import optimizer as optimizer_cost
 from amsp_jax.cost.hardware import ClusterConfig, for_cluster
@@ -40,28 +40,48 @@ class Request:
     remats: tuple[str, ...] = REMAT_POLICIES
     implementation: Implementation = dataclasses.field(default_factory=Implementation)
     optimizer: str = "adam"  # adam (any element-wise optimizer), adafactor or muon
+    # The tensor degree and sequence parallelism this request's terms are built for, and the degrees
+    # the search tries (None: every one the model and the node allow, `tensor_options`).
+    tensor: int = 1
+    sequence_parallel: bool = True
+    tensor_degrees: tuple[int, ...] | None = (1,)
 
     @property
     def devices(self) -> int:
         """Devices of the cluster."""
         return self.cluster.nodes * self.cluster.devices_per_node
 
+    @property
+    def data_devices(self) -> int:
+        """Data-parallel ranks: the devices over the tensor degree."""
+        return self.devices // self.tensor
+
+    def data_cluster(self) -> Cluster:
+        """The cluster the P/G/OS placements range over: each node's devices over the tensor degree."""
+        return self.strategy(Placement(), Placement(), Placement()).data_parallel(self.cluster.cluster())
+
+    def strategy(self, params: Placement, grads: Placement, opt_state: Placement) -> Strategy:
+        """A strategy of these placements at this request's tensor degree."""
+        return Strategy(params, grads, opt_state, self.tensor)
+
     def sequences_per_device(self) -> int:
-        """Sequences each device processes per step; raises PlanError when the batch does not divide."""
+        """Sequences each data-parallel rank processes per step (a tensor group shares them); raises
+        PlanError when the batch does not divide."""
         if self.global_batch_tokens % self.seq_len:
             raise PlanError(
                 f"the global batch of {self.global_batch_tokens} tokens is not a whole number of "
                 f"{self.seq_len}-token sequences"
             )
         sequences = self.global_batch_tokens // self.seq_len
-        if sequences % self.devices:
-            smallest = self.devices * self.seq_len
+        if sequences % self.data_devices:
+            smallest = self.data_devices * self.seq_len
             raise PlanError(
-                f"{sequences} sequences per step do not divide over {self.devices} devices (data "
-                f"parallelism gives each device whole sequences); use a global batch that is a multiple "
-                f"of {smallest} tokens, e.g. {max(1, -(-self.global_batch_tokens // smallest)) * smallest}"
+                f"{sequences} sequences per step do not divide over {self.data_devices} data-parallel "
+                "ranks (data parallelism gives each rank whole sequences); use a global batch that is a "
+                f"multiple of {smallest} tokens, e.g. "
+                f"{max(1, -(-self.global_batch_tokens // smallest)) * smallest}"
             )
-        return sequences // self.devices
+        return sequences // self.data_devices
 
     def batchings(self) -> list[tuple[int, int]]:
         """(micro-batch size, micro-batches) pairs with b × M = sequences per device."""
@@ -78,7 +98,10 @@ class Request:
 
     def workload(self, micro_batch_size: int = 1, micro_batches: int = 1, remat: str = "full") -> Workload:
         """The cost model's workload for one choice of batching and remat on this cluster's hardware."""
-        w = self.model.workload(self.seq_len, micro_batch_size, micro_batches, self.precision, remat)
+        w = self.model.workload(
+            self.seq_len, micro_batch_size, micro_batches, self.precision, remat, self.tensor,
+            self.sequence_parallel,
+        )  # fmt: skip
         return w.with_(
             min_collective_itemsize=self.cluster.collective_min_itemsize,
             update_in_place=selects_in_place(self.cluster.platform),
@@ -138,6 +161,7 @@ def make_request(
     remat: str | None = None,
     optimizer: str = "adam",
     keep_first_layer: bool = False,
+    tensor_degrees: tuple[int, ...] | None = None,
 ) -> Request:
     """A `Request` for a model's description on a cluster; the batch in tokens or sequences.
 
@@ -146,7 +170,8 @@ def make_request(
     shipped name, or a bare `Cluster` (`hardware_of`); `nodes` overrides its node count.
     `micro_batch_size` and `remat` fix those knobs instead of searching them; `optimizer` (adam,
     adafactor or muon) adds the collectives its update needs on sharded leaves. `keep_first_layer`:
-    plans with micro-batches keep it (`amsp_jax.core.schedule.keeps_first_layer`).
+    plans with micro-batches keep it (`amsp_jax.core.schedule.keeps_first_layer`). `tensor_degrees`:
+    the tensor degrees to search (None: every one the model and the node allow, `tensor_options`).
     """
     if not isinstance(model, ModelSpec):
         raise PlanError(
@@ -170,7 +195,50 @@ def make_request(
         remats=REMAT_POLICIES if remat is None else (remat,),
         optimizer=optimizer,
         implementation=Implementation(keep_first_layer=keep_first_layer),
+        tensor_degrees=tensor_degrees,
     )
+
+
+def tensor_problem(request: Request, tensor: int) -> str | None:
+    """Why `request`'s model cannot run at tensor degree `tensor` on its cluster, or None."""
+    if tensor == 1:
+        return None
+    r = request.cluster.devices_per_node
+    if r % tensor:
+        return f"t={tensor} does not divide the {r} devices per node (a tensor group stays in one node)"
+    if request.model.boundaries is None:
+        return f"{request.model.name} does not describe its tensor-parallel boundaries (plan it at t=1)"
+    for leaf in request.model.leaves:
+        if leaf.tensor_dim is not None and leaf.shape[leaf.tensor_dim] % tensor:
+            return (
+                f"t={tensor} does not divide dimension {leaf.tensor_dim} ({leaf.shape[leaf.tensor_dim]}) "
+                f"of {'/'.join(map(str, leaf.path))}"
+            )
+    try:
+        dataclasses.replace(request, tensor=tensor).sequences_per_device()
+    except PlanError as e:
+        return str(e)
+    return None
+
+
+def tensor_options(request: Request) -> list[Request]:
+    """`request` at every (tensor degree, sequence parallelism) the search tries: the degrees asked
+    for (`Request.tensor_degrees`; None: every divisor of the devices per node the model allows),
+    each with sequence parallelism on (where t divides the sequence) and off. PlanError where a
+    degree asked for by name cannot run."""
+    named = request.tensor_degrees is not None
+    r = request.cluster.devices_per_node
+    degrees = request.tensor_degrees or tuple(t for t in range(1, r + 1) if r % t == 0)
+    found = []
+    for t in degrees:
+        problem = tensor_problem(request, t)
+        if problem is not None:
+            if named:
+                raise PlanError(f"cannot plan tensor degree {t}: {problem}")
+            continue
+        sp = (True,) if t == 1 else tuple(on for on in (True, False) if not on or request.seq_len % t == 0)
+        found += [dataclasses.replace(request, tensor=t, sequence_parallel=on) for on in sp]
+    return found
 
 
 def implementations(request: Request) -> list[Implementation]:

@@ -17,21 +17,32 @@ from amsp_jax.cost.hardware import ClusterConfig
 from amsp_jax.cost.trace import ModelSpec, trace
 from amsp_jax.planner.ilp import solve
 from amsp_jax.planner.priced import PricedPlan, best_batching, nothing_fits, price, price_presets
-from amsp_jax.planner.request import PlanError, Request, implementations, make_request
+from amsp_jax.planner.request import PlanError, Request, implementations, make_request, tensor_options
 from amsp_jax.planner.terms import Terms, build_terms
 
 
 def fastest(request: Request, terms: Terms | None = None) -> PricedPlan:
     """The ILP's choice for `request`, priced by the full models; PlanError when nothing fits.
 
-    The implementation choices (`implementations`) are an outer enumeration: one ILP per choice, the
-    fastest wins. `terms` (built for `request` as given) skips that enumeration.
+    The tensor degree with sequence parallelism on or off (`tensor_options`) and the implementation
+    choices (`implementations`) are an outer enumeration: one ILP per choice, the fastest wins.
+    `terms` (built for `request` as given) skips that enumeration.
     """
     start = time.perf_counter()
+    best = min(solved_options(request, terms), key=lambda row: row.estimate.time.step_s)
+    return dataclasses.replace(best, solve_time_s=time.perf_counter() - start)
+
+
+def solved_options(request: Request, terms: Terms | None = None) -> list[PricedPlan]:
+    """The ILP's choice for each option of the outer enumeration (`fastest`), priced by the full
+    models; options where nothing fits are left out, and PlanError when that is all of them."""
+    start = time.perf_counter()
     options = [(request, terms)] if terms is not None else [
-        (dataclasses.replace(request, implementation=i), None) for i in implementations(request)
+        (dataclasses.replace(at, implementation=i), None)
+        for at in tensor_options(request)
+        for i in implementations(at)
     ]  # fmt: skip
-    best: PricedPlan | None = None
+    found: list[PricedPlan] = []
     tried: list[Terms] = []
     for option, given in options:
         built = given or build_terms(option)
@@ -41,12 +52,10 @@ def fastest(request: Request, terms: Terms | None = None) -> PricedPlan:
             continue
         c = solution.candidate
         elapsed = time.perf_counter() - start
-        priced = price(option, c.strategy, c.micro_batch_size, c.remat, solve_time_s=elapsed)
-        if best is None or priced.estimate.time.step_s < best.estimate.time.step_s:
-            best = priced
-    if best is None:
+        found.append(price(option, c.strategy, c.micro_batch_size, c.remat, solve_time_s=elapsed))
+    if not found:
         raise nothing_fits(tried[0])
-    return dataclasses.replace(best, solve_time_s=time.perf_counter() - start)
+    return found
 
 
 def choose(
@@ -91,30 +100,52 @@ def choose(
 
 @dataclasses.dataclass(frozen=True)
 class Alternatives:
-    """The chosen (or given) plan beside every preset, each priced by the full models."""
+    """The chosen (or given) plan beside the best plan at each other tensor degree and every preset,
+    each priced by the full models."""
 
     request: Request
     chosen: PricedPlan
     presets: tuple[PricedPlan, ...]
     solve_time_s: float  # building the terms and solving (or pricing the given strategy)
+    by_tensor: tuple[PricedPlan, ...] = ()  # the fastest plan at each other tensor degree searched
 
     @property
     def rows(self) -> tuple[PricedPlan, ...]:
-        """The chosen plan first, then the presets."""
-        return (self.chosen, *self.presets)
+        """The chosen plan first, then the best at each tensor degree, then the presets."""
+        return (self.chosen, *self.by_tensor, *self.presets)
+
+
+def _fastest_per_tensor_degree(rows: list[PricedPlan]) -> dict[int, PricedPlan]:
+    best: dict[int, PricedPlan] = {}
+    for row in rows:
+        t = row.strategy.tensor
+        if t not in best or row.estimate.time.step_s < best[t].estimate.time.step_s:
+            best[t] = row
+    return best
 
 
 def price_alternatives(request: Request, strategy: Strategy | str | None = None) -> Alternatives:
-    """The fastest plan for `request` (or `strategy`, a `Strategy` or preset name or string, at its best
-    batching and remat) beside the presets at theirs; PlanError when nothing fits."""
+    """The fastest plan for `request` beside the best at each other tensor degree searched (named
+    `t=<degree>`; degrees where nothing fits are left out), or `strategy` (a `Strategy` or preset name or
+    string) at its best batching and remat; then the presets at theirs. PlanError when nothing fits."""
     start = time.perf_counter()
-    terms = build_terms(request)
+    flat = dataclasses.replace(request, tensor=1, sequence_parallel=True)
+    terms = build_terms(flat)
+    per_degree: dict[int, PricedPlan] = {}
     if strategy is None:
-        chosen = fastest(request, terms)
+        per_degree = _fastest_per_tensor_degree(solved_options(request))
+        chosen = min(per_degree.values(), key=lambda row: row.estimate.time.step_s)
     else:
         if not isinstance(strategy, Strategy):
             strategy = resolve(strategy, request.cluster.cluster())
-        best = best_batching(terms, strategy)
-        chosen = price(request, strategy, best.micro_batch_size, best.remat)
+        at = dataclasses.replace(request, tensor=strategy.tensor)
+        best = best_batching(terms if strategy.tensor == 1 else build_terms(at), strategy)
+        chosen = price(at, strategy, best.micro_batch_size, best.remat)
     solve_time = time.perf_counter() - start
-    return Alternatives(request, chosen, tuple(price_presets(terms)), solve_time)
+    by_tensor = tuple(
+        dataclasses.replace(row, name=f"t={t}")
+        for t, row in sorted(per_degree.items())
+        if t != chosen.strategy.tensor
+    )
+    chosen = dataclasses.replace(chosen, solve_time_s=solve_time)
+    return Alternatives(request, chosen, tuple(price_presets(terms)), solve_time, by_tensor)

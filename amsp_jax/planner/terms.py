@@ -11,10 +11,11 @@ import dataclasses
 import itertools
 from collections.abc import Iterable, Iterator
 
-from amsp_jax.core.mesh import plan_axes, shard_dims
+from amsp_jax.core.mesh import leaf_layout, plan_axes, shard_dims
 from amsp_jax.core.plan import REMAT_POLICIES
 from amsp_jax.core.schedule import Op, accumulates, params_from_master
 from amsp_jax.core.space import Cluster, Placement, Strategy
+from amsp_jax.core.tensor import TensorRuleError
 from amsp_jax.cost import Leaf, Workload, largest_gather_bytes, leaf_ops, memory, timing
 from amsp_jax.cost.hardware import ClusterConfig
 from amsp_jax.planner.request import Request
@@ -175,7 +176,7 @@ def valid_strategies(terms: Terms) -> Iterator[Strategy]:
     """Every strategy over the tabulated placements whose three groups nest pairwise."""
     for p, g, o in itertools.product(terms.placements, repeat=3):
         if nested(p, g) and nested(p, o) and nested(g, o):
-            yield Strategy(p, g, o)
+            yield terms.request.strategy(p, g, o)
 
 
 def candidates(terms: Terms) -> Iterator[Candidate]:
@@ -202,14 +203,15 @@ class _Profiles:
     holder: dict[Key, Placement]  # (x, π): the smallest group containing x that splits exactly π
 
 
-def _profiles(qs: list[Placement], leaves: list[tuple[Leaf, int]]) -> _Profiles:
+def _profiles(qs: list[Placement], leaves: list[tuple[Leaf, int]], tensor: int) -> _Profiles:
     def profile_set(q: Placement) -> frozenset[int]:
         # Degree 1 counts as splitting every leaf (a whole leaf is its own block), so that profiles
-        # shrink as groups grow; larger groups split (or pad) every leaf with a dimension.
+        # shrink as groups grow; larger groups split (or pad) every leaf with a dimension, each tensor
+        # rank's slice of it under t > 1.
         return frozenset(
             i
             for i, (leaf, _) in enumerate(leaves)
-            if q.degree == 1 or shard_dims(leaf.shape, q.degree, leaf.stacked)[0] is not None
+            if q.degree == 1 or shard_dims(leaf.local_shape(tensor), q.degree, leaf.stacked)[0] is not None
         )
 
     sets = {q: profile_set(q) for q in qs}
@@ -228,7 +230,7 @@ class _Probes:
     a leaf the profile splits takes the probe's ops, another leaf DDP's."""
 
     def __init__(self, request: Request, leaves: list[tuple[Leaf, int]], profiles: _Profiles):
-        self.cluster, self.hardware = request.cluster.cluster(), request.cluster
+        self.cluster, self.hardware, self.request = request.cluster.cluster(), request.cluster, request
         self.base, self.leaves, self.profiles = request.workload(), leaves, profiles.profiles
         self.per_leaf: dict[tuple[Placement, Placement], list[dict[str, list[tuple[int, Op]]]]] = {}
         self.gather_bytes: dict[tuple[Placement, Placement], int] = {}  # the probe's largest (padded)
@@ -238,7 +240,7 @@ class _Probes:
     def probe(self, x: Placement, o: Placement) -> list[dict[str, list[tuple[int, Op]]]]:
         """Each leaf's ops under Strategy(x, x, o), by overlap group."""
         if (x, o) not in self.per_leaf:
-            axes = plan_axes(self.cluster, Strategy(x, x, o))
+            axes = plan_axes(self.cluster, self.request.strategy(x, x, o))
             found = []
             for leaf, count in self.leaves:
                 groups: dict[str, list[tuple[int, Op]]] = {}
@@ -303,7 +305,7 @@ def _state_terms(request: Request, profiles: _Profiles, base: Workload) -> dict[
     scanned = scanned.with_(implementation=dataclasses.replace(request.implementation, prefetch=False))
     accumulating = scanned.with_(micro_batches=2)
     for (x, pi), t in profiles.holder.items():
-        axes = plan_axes(cluster, Strategy(x, x, t))
+        axes = plan_axes(cluster, request.strategy(x, x, t))
         single, two = memory(axes, scanned), memory(axes, accumulating)
         out["p_memory"][(x, pi)] = float(single.param_blocks)
         out["p_layer_memory"][(x, pi)] = float(single.peaks["backward"].gathered)
@@ -312,7 +314,7 @@ def _state_terms(request: Request, profiles: _Profiles, base: Workload) -> dict[
         out["g_memory"][(x, pi, True)] = float(two.grads)
         out["g_other_memory"][(x, pi, False)] = -float(single.peaks["backward"].grads)
         out["g_other_memory"][(x, pi, True)] = float(two.grads - two.peaks["backward"].grads)
-        as_os = memory(plan_axes(cluster, Strategy(t, t, x)), accumulating)
+        as_os = memory(plan_axes(cluster, request.strategy(t, t, x)), accumulating)
         out["os_memory"][(x, pi)] = float(as_os.master + as_os.opt_state)
         out["os_update_memory"][(x, pi)] = float(as_os.peaks["update"].opt_state)
         out["passes"][("P", x, pi)] = timing.params_time(two.param_blocks, base.num_params, hardware)
@@ -328,7 +330,7 @@ def _pair_memory(request: Request, pairs: Iterable[PairKey]) -> dict[PairKey, di
     scanned = scanned.with_(implementation=dataclasses.replace(request.implementation, prefetch=False))
     found = {}
     for a, o, pi in pairs:
-        pair = memory(plan_axes(cluster, Strategy(a, a, o)), scanned).peaks
+        pair = memory(plan_axes(cluster, request.strategy(a, a, o)), scanned).peaks
         found[(a, o, pi)] = {name: float(peak.p_with_os) for name, peak in pair.items()}
     return found
 
@@ -337,7 +339,7 @@ def _batching_terms(request: Request, remats: tuple[str, ...]) -> dict[str, dict
     """Compute, activations and the passes every plan runs, per (micro-batch size, remat), read off DDP."""
     cluster, hardware = request.cluster.cluster(), request.cluster
     one = Placement(1, 1)
-    ddp_axes = plan_axes(cluster, Strategy(one, one, one))
+    ddp_axes = plan_axes(cluster, request.strategy(one, one, one))
     activations, activation_peaks, compute, fixed_passes = {}, {}, {}, {}
     for (b, m), r in itertools.product(request.batchings(), remats):
         w = request.workload(b, m, r)
@@ -354,12 +356,24 @@ def _batching_terms(request: Request, remats: tuple[str, ...]) -> dict[str, dict
     }
 
 
+def _lays_out(request: Request, q: Placement, leaves: Iterable[Leaf]) -> bool:
+    """Whether every leaf can be split over placement `q` at the request's tensor degree: a tensor
+    rank's slice that no dimension of divides must be padded, never on its tensor-split dimension."""
+    axes = plan_axes(request.cluster.cluster(), request.strategy(q, q, q))
+    try:
+        for leaf in leaves:
+            leaf_layout(axes, leaf)
+    except TensorRuleError:
+        return False
+    return True
+
+
 def build_terms(request: Request) -> Terms:
     """Evaluate the cost model on probe strategies and tabulate every term of the decomposed model."""
-    qs = placements(request.cluster.cluster())
     base = request.workload()
+    qs = [q for q in placements(request.data_cluster()) if _lays_out(request, q, base.leaves)]
     leaves = timing.distinct_leaves(base)
-    profiles = _profiles(qs, leaves)
+    profiles = _profiles(qs, leaves, request.tensor)
     communication = _communication_terms(qs, profiles, _Probes(request, leaves, profiles))
     remats = tuple(r for r in REMAT_POLICIES if r in request.remats)
     return Terms(

@@ -1,0 +1,68 @@
+"""The planner under tensor parallelism: what it prices is what the step runs. The model's boundaries
+and split dimensions as the planner reads them (`llama_spec`, no trace) against those the step's own
+trace of the model records (`step.functions.tensor_boundaries`, whose bytes `tests/test_tensor.py`
+checks against the compiled program); a degree the model cannot run is refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+
+import amsp_jax as aj
+from amsp_jax.compiled import audit
+from amsp_jax.core.mesh import plan_axes
+from amsp_jax.cost.tensor_traffic import tensor_transfers
+from amsp_jax.cost.trace import trace
+from amsp_jax.models.llama import Llama, LlamaConfig, llama_spec, make_loss_fn
+from amsp_jax.planner.request import PlanError, make_request, tensor_options
+from tests.helpers import CLUSTER, SEQ, TINY, batches, optimizer
+
+KV4 = dataclasses.replace(TINY, n_kv_heads=4)
+
+
+@pytest.mark.parametrize(
+    ("config", "strategy", "sequence_parallel", "micro_batches", "remat", "precision"),
+    [
+        (TINY, "t=2,zero3", True, 2, "full", "mixed"),
+        (dataclasses.replace(KV4, tie_embeddings=True), "t=4,p=1x2,g=1x2,os=1x2", False, 1, "none", "fp32"),
+    ],
+)
+def test_the_planner_counts_the_tensor_collectives_the_step_traces(
+    config, strategy, sequence_parallel, micro_batches, remat, precision
+):
+    model = Llama(config)
+    plan = aj.Plan(
+        CLUSTER, aj.resolve(strategy, CLUSTER), micro_batches, precision=precision, remat=remat,
+        sequence_parallel=sequence_parallel,
+    )  # fmt: skip
+    trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model))
+    batch = batches(16, 1)[0]
+    trainer.setup(jax.random.key(0), batch["inputs"])
+    traced = audit.workload_of(trainer, batch, trace(model, (batch["inputs"],)).dims)
+
+    request = make_request(
+        llama_spec(config), "cpu-sim", seq_len=SEQ, global_batch=16, precision=precision, remat=remat,
+        tensor_degrees=(plan.strategy.tensor,),
+    )  # fmt: skip
+    (at,) = [r for r in tensor_options(request) if r.sequence_parallel == sequence_parallel]
+    micro_batch_size = at.sequences_per_device() // micro_batches
+    planned = at.workload(micro_batch_size, micro_batches, remat)
+
+    # Every tensor-split leaf splits the same dimension in the planner's description as in the step's.
+    split = {leaf.path[-1]: leaf.tensor_dim for leaf in traced.leaves}
+    assert {leaf.path[-1]: leaf.tensor_dim for leaf in planned.leaves} == split
+    assert sum(dim is not None for dim in split.values()) == (8 if config.tie_embeddings else 9)
+    axes = plan_axes(CLUSTER, plan.strategy)
+    assert [b.kind for b in planned.boundaries] == [b.kind for b in traced.boundaries]
+    assert tensor_transfers(axes, planned) == tensor_transfers(axes, traced)
+
+
+def test_a_tensor_degree_the_model_cannot_run_is_refused_by_name():
+    spec = llama_spec(LlamaConfig(vocab_size=64, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=96))
+    request = make_request(spec, "cpu-sim", seq_len=SEQ, global_batch=16, tensor_degrees=(4,))
+    with pytest.raises(PlanError, match=r"t=4 does not divide dimension 2 \(6\) of layers/layer/wq"):
+        tensor_options(request)
+    searched = make_request(spec, "cpu-sim", seq_len=SEQ, global_batch=16)
+    assert sorted({r.tensor for r in tensor_options(searched)}) == [1, 2]
