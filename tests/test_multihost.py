@@ -1,4 +1,5 @@
-"""Several processes through `jax.distributed`: 2 processes x 4 CPU devices train like 1 x 8."""
+"""Several processes through `jax.distributed`: 2 processes x 4 CPU devices train like 1 x 8, with a
+tensor axis inside each process."""
 
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ from tests.train_helpers import (
 )
 
 CHILD_TIMEOUT = 300
-# Every component sharded over both processes: every collective crosses them. (The same plan as the
-# other training tests, so the one-process run reuses their compiled programs.)
-STRATEGY = "zero3"
+# Every component sharded over both processes' data-parallel ranks, so every data-parallel collective
+# crosses them; a tensor group of 2 inside each process (a group never spans processes).
+STRATEGY = "t=2,zero3"
 
 
 @pytest.fixture(scope="module", autouse=True)
