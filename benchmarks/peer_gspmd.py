@@ -18,6 +18,12 @@ so that the two can be compared on one mesh:
   constraints (batch-sharded activations leave XLA no choice but to gather the weights); without any
   hint XLA partitions the matmuls of a small micro-batch along the weights instead (all-reduces and
   all-to-alls of activations: tensor parallelism, not FSDP). The gradient's placement is left to XLA.
+- With a tensor degree t (`make_mesh(..., tensor=t)`, MaxText's `tensor` axis): the mesh gains a
+  `tensor` axis of t consecutive devices of a node; a leaf whose logical names map to the tensor
+  axis by `DEFAULT_TENSOR_RULES` (heads, mlp, vocab) is split there, and FSDP splits the rest over the
+  data axes. The per-layer hint keeps the tensor split and gathers over the data axes only, so XLA
+  partitions each matmul Megatron's way (no sequence parallelism: MaxText's `tensor` axis, not
+  `tensor_sequence`).
 - Remat: each layer of the model's `LayerStack` runs under `jax.checkpoint(nothing_saveable,
   prevent_cse=False)`, MaxText's setting for scanned layers (`prevent_cse=not scan_layers`). Both
   the per-layer hint and the checkpoint go through the stack's `LayerContext` hook, which wraps the
@@ -43,10 +49,11 @@ from jax.sharding import PartitionSpec as P
 from amsp_jax.compiled import audit
 from amsp_jax.core.mesh import ordered_devices, plan_axes
 from amsp_jax.core.space import Cluster, ddp
+from amsp_jax.core.tensor import TENSOR, tensor_dim
 from amsp_jax.layers.stack import LayerContext, StackOps, layer_context, recording_stacks
 
 MODES = ("fsdp", "zero1")
-MESH_AXES = ("inter", "intra")
+MESH_AXES = ("inter", "intra")  # the data-parallel axes; `tensor` (TENSOR) comes last where t > 1
 
 Path = tuple[str, ...]
 LossFn = Callable[[Any, Any], jax.Array]
@@ -72,25 +79,56 @@ class PeerShardings:
     batch: NamedSharding
 
 
-def make_mesh(cluster: Cluster, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A `(nodes, devices_per_node)` mesh, node-major, so device position // devices_per_node is its node."""
+def make_mesh(cluster: Cluster, devices: Sequence[jax.Device] | None = None, tensor: int = 1) -> Mesh:
+    """A `(nodes, devices_per_node)` mesh, node-major, so device position // devices_per_node is its node;
+    with `tensor` > 1, `(nodes, devices_per_node / tensor, tensor)`: a tensor group is consecutive
+    devices of one node."""
     devices = ordered_devices(devices)[: cluster.num_devices]
     if len(devices) != cluster.num_devices:
         raise ValueError(f"the cluster {cluster} needs {cluster.num_devices} devices, JAX has {len(devices)}")
-    grid = np.array(devices, dtype=object).reshape(cluster.nodes, cluster.devices_per_node)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    if tensor == 1:
+        grid = np.array(devices, dtype=object).reshape(cluster.nodes, cluster.devices_per_node)
+        return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    axes = (*MESH_AXES, TENSOR)
+    shape = (cluster.nodes, cluster.devices_per_node // tensor, tensor)
+    return Mesh(np.array(devices, dtype=object).reshape(shape), axes, axis_types=(AxisType.Auto,) * 3)
 
 
-def fsdp_spec(shape: Sequence[int], stacked: bool, num_devices: int) -> P:
-    """Split along the largest dimension divisible by the device count, over every mesh axis; a leaf
-    with none stays whole (a `NamedSharding` must divide its dimension; MaxText's rule)."""
+def fsdp_spec(shape: Sequence[int], stacked: bool, num_devices: int, tensor_dim: int | None = None) -> P:
+    """Split along the largest dimension divisible by the (data-parallel) device count, over the data
+    axes; a leaf with none stays whole (a `NamedSharding` must divide its dimension; MaxText's rule).
+    `tensor_dim`: that dimension goes on the tensor axis instead, and is not the FSDP one."""
     first = 1 if stacked else 0
-    divisible = [d for d in range(first, len(shape)) if shape[d] % num_devices == 0]
+    divisible = [
+        d for d in range(first, len(shape)) if shape[d] % num_devices == 0 and d != tensor_dim
+    ]
     dim = max(divisible, key=lambda d: (shape[d], -d)) if divisible else None
     entries: list[Any] = [None] * len(shape)
     if dim is not None:
         entries[dim] = MESH_AXES
+    if tensor_dim is not None:
+        entries[tensor_dim] = TENSOR
     return P(*entries)
+
+
+def tensor_dims(boxed: Any, stacks: tuple[Path, ...]) -> dict[Path, int | None]:
+    """Each leaf's dimension on the tensor axis by its logical names and `DEFAULT_TENSOR_RULES` (a
+    stacked leaf's names leave out its layer dimension)."""
+    flat = traverse_util.flatten_dict(boxed, is_leaf=lambda _, x: isinstance(x, nn.meta.AxisMetadata))
+    found = {}
+    for path, leaf in flat.items():
+        names = getattr(leaf, "names", None)
+        stacked = any(path[: len(s)] == s for s in stacks)
+        dim = tensor_dim(tuple(names)) if names is not None else None
+        found[path] = None if dim is None else dim + int(stacked)
+    return found
+
+
+def gathered_spec(spec: P, stacked: bool) -> P:
+    """`spec` gathered over the data axes, the tensor split kept (a stacked leaf's one layer: without
+    its layer dimension)."""
+    entries = [entry if entry == TENSOR else None for entry in spec]
+    return P(*(entries[1:] if stacked else entries))
 
 
 def _flatten(tree: Any) -> dict[Path, Any]:
@@ -143,16 +181,20 @@ def build_gspmd_step(
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     dtype = jnp.dtype(compute_dtype)
-    num_devices = mesh.devices.size
+    tensor = dict(mesh.shape).get(TENSOR, 1)
+    if tensor > 1 and mode != "fsdp":
+        raise ValueError(f"a tensor axis runs with mode 'fsdp' only, not {mode!r}")
+    num_devices = mesh.devices.size // tensor
 
     with recording_stacks() as recorded:
-        init = lambda k: nn.meta.unbox(model.init(k, *example_inputs))["params"]  # noqa: E731
-        abstract = jax.eval_shape(init, jax.random.key(0))
+        boxed = jax.eval_shape(lambda k: model.init(k, *example_inputs)["params"], jax.random.key(0))
+    abstract = nn.meta.unbox(boxed)
     stacks = tuple(recorded)
     flat = _flatten(abstract)
+    split = tensor_dims(boxed, stacks) if tensor > 1 else dict.fromkeys(flat)
+    stacked = {path: any(path[: len(s)] == s for s in stacks) for path in flat}
     specs = {
-        path: fsdp_spec(leaf.shape, any(path[: len(s)] == s for s in stacks), num_devices)
-        for path, leaf in flat.items()
+        path: fsdp_spec(leaf.shape, stacked[path], num_devices, split[path]) for path, leaf in flat.items()
     }
     unflatten = traverse_util.unflatten_dict
     master_shardings = unflatten({p: NamedSharding(mesh, s) for p, s in specs.items()})
@@ -172,17 +214,23 @@ def build_gspmd_step(
     shardings = PeerShardings(mesh, state_shardings, per_leaf, batch_sharding)
 
     layer_counts = {s: next(v.shape[0] for p, v in flat.items() if p[: len(s)] == s) for s in stacks}
-    whole = gathered(replicated)
+    # Where each leaf is used: whole (t = 1), or gathered over the data axes with its tensor split kept.
+    used = {p: gathered(NamedSharding(mesh, gathered_spec(spec, stacked[p]))) for p, spec in specs.items()}
 
-    def whole_layer(layer_params: Any, _sink: Any = None) -> Any:
-        return jax.tree.map(whole, layer_params)
+    def stack_ops(stack: Path) -> StackOps:
+        hints = unflatten({p[len(stack) :]: h for p, h in used.items() if p[: len(stack)] == stack})
 
-    # Plain scan, no prefetch: the hook only places the hint and the checkpoint in the scan body.
-    ops = StackOps(gather_with_sink=whole_layer, gather=whole_layer, reduce=lambda grads: grads)
+        def whole_layer(layer_params: Any, _sink: Any = None) -> Any:
+            return jax.tree.map(lambda hint, x: hint(x), hints, layer_params)
+
+        # Plain scan, no prefetch: the hook only places the hint and the checkpoint in the scan body.
+        return StackOps(gather_with_sink=whole_layer, gather=whole_layer, reduce=lambda grads: grads)
+
+    ops = {stack: stack_ops(stack) for stack in stacks}
 
     def layer_context_() -> LayerContext:
         return LayerContext(
-            stacks=dict.fromkeys(stacks, ops),
+            stacks=ops,
             # The hook scans a per-layer "sink" beside the weights; the baseline has no use for one.
             sinks={s: jnp.zeros((n,), jnp.float32) for s, n in layer_counts.items()},
             remat_policy=jax.checkpoint_policies.nothing_saveable if remat else None,
@@ -192,7 +240,7 @@ def build_gspmd_step(
     def micro_loss(params: Any, micro_batch: Any) -> jax.Array:
         # Stacked leaves get the hint per layer, inside the scan; the others here, where the loss uses them.
         leaves = _flatten(params)
-        hinted = {p: x if any(p[: len(s)] == s for s in stacks) else whole(x) for p, x in leaves.items()}
+        hinted = {p: x if stacked[p] else used[p](x) for p, x in leaves.items()}
         with layer_context(layer_context_()):
             return loss_fn(unflatten(hinted), micro_batch).astype(jnp.float32)
 
