@@ -168,7 +168,7 @@ def main() -> None:
         lines.append(
             f"| {e.name} | `{e.strategy}` | {median} | {pred} | {ranks[0]} | {ranks[1]} | "
             f"{levels['intra']:,}, {levels['inter']:,} | {e.measured.memory_bytes / MIB:,.1f} | "
-            f"{e.losses[0]:.4f} |"
+            f"{e.losses[0] if e.losses else float('nan'):.4f} |"
         )
     load = os.getloadavg()[0]
     stem = results_file.dated_stem(results_file.RESULTS, "tensor_step_time", results_file.hardware())
