@@ -192,8 +192,9 @@ def test_amsp_setting_is_solved_and_fits():
     # How long the solve takes is a measurement (`amsp-jax plan` prints it), not asserted here: a
     # wall-clock bound fails on a loaded machine.
     request = make_request(
-        llama_spec("llama-13b"), "a800-8x-ib800", 128, seq_len=4096, global_batch_tokens=4 * 2**20
-    )
+        llama_spec("llama-13b"), "a800-8x-ib800", 128, seq_len=4096, global_batch_tokens=4 * 2**20,
+        tensor_degrees=(1,),
+    )  # fmt: skip
     chosen = search.fastest(request)
     assert chosen.feasible and chosen.micro_batch_size == 1
 

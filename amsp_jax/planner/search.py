@@ -4,6 +4,7 @@ plan beside the presets, each priced: the table `amsp-jax plan` prints)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import numpy as np
 
 from amsp_jax.core.plan import Plan, Precision
 from amsp_jax.core.space import Cluster, Strategy, resolve
-from amsp_jax.cost import ModelDims
+from amsp_jax.cost import ModelDims, timing
 from amsp_jax.cost.hardware import ClusterConfig
 from amsp_jax.cost.trace import ModelSpec, trace
 from amsp_jax.planner.ilp import solve
@@ -29,13 +30,22 @@ def fastest(request: Request, terms: Terms | None = None) -> PricedPlan:
     `terms` (built for `request` as given) skips that enumeration.
     """
     start = time.perf_counter()
-    best = min(solved_options(request, terms), key=lambda row: row.estimate.time.step_s)
+    best = min(solved_options(request, terms, prune=True), key=lambda row: row.estimate.time.step_s)
     return dataclasses.replace(best, solve_time_s=time.perf_counter() - start)
 
 
-def solved_options(request: Request, terms: Terms | None = None) -> list[PricedPlan]:
+def _lower_bound(option: Request) -> float:
+    """Seconds no plan of `option` beats: its fastest batching's compute and tensor collectives."""
+    return min(
+        timing.compute_times(option.workload(b, m, r), option.cluster).serial
+        for (b, m), r in itertools.product(option.batchings(), option.remats)
+    )
+
+
+def solved_options(request: Request, terms: Terms | None = None, prune: bool = False) -> list[PricedPlan]:
     """The ILP's choice for each option of the outer enumeration (`fastest`), priced by the full
-    models; options where nothing fits are left out, and PlanError when that is all of them."""
+    models; options where nothing fits are left out, and PlanError when that is all of them.
+    `prune`: skip an option whose compute alone (`_lower_bound`) is no faster than the best found."""
     start = time.perf_counter()
     options = [(request, terms)] if terms is not None else [
         (dataclasses.replace(at, implementation=i), None)
@@ -45,6 +55,9 @@ def solved_options(request: Request, terms: Terms | None = None) -> list[PricedP
     found: list[PricedPlan] = []
     tried: list[Terms] = []
     for option, given in options:
+        fastest_yet = min((row.estimate.time.step_s for row in found), default=float("inf"))
+        if prune and given is None and _lower_bound(option) >= fastest_yet:
+            continue
         built = given or build_terms(option)
         tried.append(built)
         solution = solve(built)
