@@ -152,6 +152,17 @@ def tensor_split(axes: AxisPlan, workload: Workload) -> TensorSplit:
     return TensorSplit(axes.tensor, axes.tensor > 1 and workload.sequence_parallel)
 
 
+def layer_gradients_held(workload: Workload, split: TensorSplit) -> int:
+    """How many layers' full-size weight gradients the layers' backward holds at its peak.
+
+    One, except in a sequence-parallel step compiled for a GPU: there XLA double-buffers the loop's
+    weight gradients, so one layer's gradient waits for its reduce-scatter while the next layer's is
+    computed (LLaMA-7B's width on H100s: each ffn weight gradient and its double-buffer clone at the
+    peak, neither without sequence parallelism).
+    """
+    return 2 if split.sequence_parallel and workload.platform != "cpu" else 1
+
+
 def activation_itemsize(workload: Workload) -> int:
     """Bytes per element of the activations the step holds on its backend.
 
@@ -376,7 +387,10 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
             gathered=(3 if prefetch else 1) * s["layer_extra"] + held_other + s["fp32_copies"],
             grads=accumulation - s["other_grads"],
             p_with_os=transposed,
-            activations=saved + kept_logits + layer_peak + s["layer_grad"] + first_layer,
+            activations=(
+                saved + kept_logits + layer_peak + layer_gradients_held(workload, split) * s["layer_grad"]
+                + first_layer
+            ),
         ),
         "update": Peak(opt_state=0 if workload.update_in_place else trained_master),
         "refresh": Peak(grads=-grads, p_with_os=s["refresh"]),
