@@ -157,8 +157,8 @@ def layer_gradients_held(workload: Workload, split: TensorSplit) -> int:
 
     One, except in a sequence-parallel step compiled for a GPU: there XLA double-buffers the loop's
     weight gradients, so one layer's gradient waits for its reduce-scatter while the next layer's is
-    computed (LLaMA-7B's width on H100s: each ffn weight gradient and its double-buffer clone at the
-    peak, neither without sequence parallelism).
+    computed (LLaMA-7B's width on H100s: each ffn weight gradient beside its double-buffer clone at
+    the peak; without sequence parallelism, no clone).
     """
     return 2 if split.sequence_parallel and workload.platform != "cpu" else 1
 
