@@ -10,6 +10,10 @@ for 2 nodes × 8 GPUs (no GPU needed).
 
     JAX_PLATFORMS=cpu .venv/bin/python -m benchmarks.memory_matrix                     # CPU-compiled
     JAX_PLATFORMS=cpu .venv/bin/python -m benchmarks.memory_matrix --target h100-sxm   # GPU-compiled
+    JAX_PLATFORMS=cpu .venv/bin/python -m benchmarks.memory_matrix --tensor [--target h100-sxm]
+
+`--tensor` runs the tensor-parallel matrix instead (`tensor_matrix`: t = 2 and 4, sequence parallelism
+on and off, beside the same shapes without a tensor axis).
 
 writes a dated benchmarks/results/memory_matrix_<backend>_<date>.md (and .json) with every case.
 """
@@ -58,6 +62,8 @@ WIDTHS: dict[str, LlamaConfig] = {
     "w1024": LlamaConfig(vocab_size=4096, dim=1024, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=2816),
     "1b-width": dataclasses.replace(LlamaConfig.from_yaml(MODELS / "llama-1b.yaml"), n_layers=4),
     "7b-width": dataclasses.replace(LlamaConfig.from_yaml(MODELS / "llama-7b.yaml"), n_layers=4),
+    # Four key/value heads, so that t = 4 splits them; small enough to compile on the CPU mesh.
+    "w256": LlamaConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=688),
 }
 
 
@@ -77,12 +83,14 @@ class Case:
     remat: str
     precision: str
     strategy: str
+    sequence_parallel: bool = True  # read only where the strategy has a tensor axis (`t=...`)
 
     @property
     def name(self) -> str:
+        off = "-nosp" if not self.sequence_parallel and self.strategy.startswith("t=") else ""
         return (
             f"{self.model}-s{self.seq}-b{self.batch}-m{self.micro_batches}-{self.remat}-{self.precision}-"
-            f"{self.strategy}"
+            f"{self.strategy}{off}"
         )
 
 
@@ -94,12 +102,13 @@ def _trainer(
     strategy = case.strategy.replace("os=4x2", f"os={cluster.devices_per_node}x2")
     plan = Plan(
         cluster, resolve(strategy, cluster), case.micro_batches, precision=case.precision,
-        remat=case.remat,
+        remat=case.remat, sequence_parallel=case.sequence_parallel,
     )  # fmt: skip
     model = Llama(config)
     trainer = Trainer(plan, model, optax.adamw(1e-4), make_loss_fn(model), devices=devices)
     trainer.setup(jax.random.key(0), jnp.zeros((1, case.seq), jnp.int32))
-    sequences = cluster.num_devices * case.micro_batches * case.batch
+    # The ranks of a tensor group share their sequences.
+    sequences = cluster.num_devices // plan.strategy.tensor * case.micro_batches * case.batch
     tokens = jax.ShapeDtypeStruct((sequences, case.seq), jnp.int32)
     return trainer, {"inputs": tokens, "targets": tokens}, config
 
@@ -142,6 +151,37 @@ def matrix() -> list[Case]:
     return [c for c in cases if not (c in seen or seen.add(c))]
 
 
+def tensor_matrix(gpu: bool) -> list[Case]:
+    """Tensor-parallel steps: t = 2 and 4, sequence parallelism on and off, each remat policy and
+    precision, the placement kinds and micro-batches; on the CPU mesh `w256` at 1,024-2,048 tokens, for
+    GPUs the widths of LLaMA-1B and 7B at 2,048 and 8,192."""
+    cases: list[Case] = []
+    if not gpu:
+        for i, (t, seq) in enumerate((t, s) for t in (2, 4) for s in (1024, 2048)):
+            for k, (precision, remat) in enumerate(PAIRS):
+                mixed = "p=1x1,g=2x1,os=2x2" if t == 2 else "p=1x2,g=1x2,os=1x2"
+                strategy = ("zero3", "mics", mixed)[(i + k) % 3]
+                sp = (i + k) % 2 == 0
+                cases.append(Case("w256", seq, 1, 1 + 2 * (k % 2), remat, precision, f"t={t},{strategy}", sp))
+        # The same shapes without a tensor axis, for reference.
+        refs = [(s, 1 + 2 * (k % 2), p, r) for s in (1024, 2048) for k, (p, r) in enumerate(PAIRS)]
+        return cases + [Case("w256", s, 1, m, r, p, "zero3") for s, m, p, r in refs]
+    for model in ("1b-width", "7b-width"):
+        for seq in (2048, 8192):
+            for t in (2, 4):
+                for sp in (True, False):
+                    cases.append(Case(model, seq, 1, 1, "full", "mixed", f"t={t},zero3", sp))
+    cases += [
+        Case("1b-width", 2048, 1, 1, r, "mixed", f"t={t},zero3", sp)
+        for t, r, sp in ((2, "none", True), (4, "dots", False), (2, "dots", True), (4, "none", False))
+    ]
+    cases += [Case("1b-width", 2048, 1, 2, "full", "mixed", "t=2,mics", True)]
+    # The same shapes without a tensor axis, for reference.
+    widths = ("1b-width", "7b-width")
+    cases += [Case(m, s, 1, 1, "full", "mixed", "zero3") for m in widths for s in (2048, 8192)]
+    return cases
+
+
 def row(case: Case, compiled: int, memory: cost.Memory, seconds: float | None) -> dict[str, Any]:
     return {
         **dataclasses.asdict(case),
@@ -161,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--target", help="compile for this GPU (h100-sxm, a100-sxm-80); default: the CPU mesh"
     )
+    parser.add_argument("--tensor", action="store_true", help="the tensor-parallel matrix (`tensor_matrix`)")
     parser.add_argument("--only", default="", help="only cases whose name contains each comma-separated part")
     parser.add_argument("--max-seq", type=int, default=8192, help="skip cases with longer sequences")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
@@ -183,8 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.compiled_with:
         xla_backend.JAXLIB = args.compiled_with  # predict what that version's XLA holds
     parts = [p for p in args.only.split(",") if p]
-    cases = [c for c in matrix() if c.seq <= args.max_seq and all(p in c.name for p in parts)]
-    backend = args.target or "cpu8"
+    generated = tensor_matrix(bool(args.target)) if args.tensor else matrix()
+    cases = [c for c in generated if c.seq <= args.max_seq and all(p in c.name for p in parts)]
+    backend = (args.target or "cpu8") + ("-tensor" if args.tensor else "")
     if args.shard:
         index, count = map(int, args.shard.split("/"))
         cases = cases[index::count]
@@ -244,15 +286,24 @@ def write(rows: list[dict[str, Any]], backend: str, cluster: Cluster, out: Path,
             f"**{len(ok)} cases: ratio {min(ratios):.3f}-{max(ratios):.3f}, {within} within ±10 %.** "
             f"{len(rows) - len(ok)} did not compile.\n"
         )
+    tensor = [r["ratio"] for r in ok if r["strategy"].startswith("t=")]
+    if tensor and len(tensor) < len(ok):
+        inside = sum(abs(x - 1) <= 0.10 for x in tensor)
+        lines.append(
+            f"Of them {len(tensor)} with a tensor axis: ratio {min(tensor):.3f}-{max(tensor):.3f}, {inside} "
+            "within ±10 %; the rest are the same shapes without one, for reference.\n"
+        )
     lines.append(
-        "| model | seq | B | M | remat | precision | strategy | compiled B | predicted B | peak | ratio |"
+        "| model | seq | B | M | remat | precision | strategy | SP | compiled B | predicted B | peak | ratio"
+        " |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        sp = ("on" if r.get("sequence_parallel", True) else "off") if r["strategy"].startswith("t=") else "-"
         head = (
             "| "
             + " | ".join(str(r[k]) for k in ("model", "seq", "batch", "micro_batches", "remat", "precision"))
-            + f" | `{r['strategy']}` |"
+            + f" | `{r['strategy']}` | {sp} |"
         )
         if "ratio" in r:
             lines.append(f"{head} {r['compiled']:,} | {r['predicted']:,} | {r['peak']} | {r['ratio']:.3f} |")

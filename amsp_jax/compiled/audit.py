@@ -212,8 +212,6 @@ class Report:
     strategy: str
     predicted: cost.Prediction
     measured: Measured
-    # The memory model does not split activations over a tensor axis yet: with t > 1 only bytes compare.
-    memory_compared: bool = True
 
     @property
     def bytes_match(self) -> bool:
@@ -236,9 +234,8 @@ class Report:
 
     @property
     def match(self) -> bool:
-        """Bytes equal and memory within `MEMORY_TOLERANCE` (where compared)."""
-        memory_ok = not self.memory_compared or abs(self.memory_ratio - 1) <= MEMORY_TOLERANCE
-        return self.bytes_match and memory_ok
+        """Bytes equal and memory within `MEMORY_TOLERANCE`."""
+        return self.bytes_match and abs(self.memory_ratio - 1) <= MEMORY_TOLERANCE
 
     def to_json(self) -> dict[str, Any]:
         """The report as JSON-ready data."""
@@ -266,7 +263,6 @@ class Report:
                 "compiled_breakdown": self.measured.memory_stats,
                 "ratio": round(self.memory_ratio, 4),
                 "tolerance": MEMORY_TOLERANCE,
-                "compared": self.memory_compared,
             },
             "bytes_match": self.bytes_match,
             "match": self.match,
@@ -302,12 +298,8 @@ class Report:
         lines.append(
             f"memory per device: predicted {mem.total:,} B at the {mem.peak_name} peak (P {mem.params:,}, "
             f"G {mem.grads:,}, OS {mem.master + mem.opt_state:,}; peaks: {peaks}); "
-            f"compiled {self.measured.memory_bytes:,} B "
-            + (
-                f"(ratio {self.memory_ratio:.2f}, bound ±{MEMORY_TOLERANCE:.0%})"
-                if self.memory_compared
-                else "(not compared: the memory model does not split activations over the tensor axis yet)"
-            )
+            f"compiled {self.measured.memory_bytes:,} B (ratio {self.memory_ratio:.2f}, bound "
+            f"±{MEMORY_TOLERANCE:.0%})"
         )
         lines.append(f"scalar reductions (loss, norms; not compared): {self.measured.scalar_bytes():,} B")
         lines += _overlap_lines(self.measured.overlap_summary())
@@ -402,4 +394,4 @@ def audit_trainer(
         for stack in (*pl.stacks, *pl.blocks)
     )
     measured = measure(compiled, program.layout, scopes)
-    return Report(str(program.plan.strategy), predicted, measured, program.layout.tensor == 1)
+    return Report(str(program.plan.strategy), predicted, measured)

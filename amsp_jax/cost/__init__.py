@@ -1,7 +1,16 @@
 """What a plan costs before it runs: the workload of a model, bytes per collective, memory,
 optimizer-update traffic, time, hardware configs."""
 
-from amsp_jax.cost.device_memory import PEAKS, Memory, Peak, activation_bytes, memory
+from amsp_jax.cost.device_memory import (
+    PEAKS,
+    Memory,
+    Peak,
+    TensorSplit,
+    activation_bytes,
+    logits_bytes,
+    memory,
+    tensor_split,
+)
 from amsp_jax.cost.prediction import Prediction, predict
 from amsp_jax.cost.traffic import (
     Transfer,
@@ -35,6 +44,7 @@ __all__ = [
     "ModelDims",
     "Peak",
     "Prediction",
+    "TensorSplit",
     "Transfer",
     "Workload",
     "activation_bytes",
@@ -48,10 +58,12 @@ __all__ = [
     "link_bytes",
     "llama_dims",
     "llama_workload",
+    "logits_bytes",
     "looped_blocks",
     "memory",
     "predict",
     "rounded_bytes",
     "schedule_leaf",
+    "tensor_split",
     "transfer",
 ]

@@ -69,9 +69,11 @@ class Memory:
     the forward and backward passes. The same peaks hold for steps compiled for the CPU (the shipped
     `tiny` and `small` models at 128-1,024 tokens) with the backend's own buffers: fp32 activations
     (`activation_itemsize`), the blockwise attention (`attention_kind`) and no logits' gradient in the
-    layers' backward. Not counted: how XLA packs buffers into its one temporary
-    allocation (the compiled temporaries of the programs above are 1.0-1.3x the largest set of
-    buffers live at once).
+    layers' backward. Under a tensor axis the model states, gathered weights and weight gradients are
+    the rank's tensor slices (`LeafLayout.rank_padded`), and the activations, the attention and the
+    logits are what one rank holds (`TensorSplit`, `logits_bytes`). Not counted: how XLA packs buffers
+    into its one temporary allocation (the compiled temporaries of the programs above are 1.0-1.3x
+    the largest set of buffers live at once).
     """
 
     params: int
@@ -118,6 +120,49 @@ class Memory:
         }
 
 
+@dataclasses.dataclass(frozen=True)
+class TensorSplit:
+    """How one rank of a tensor group holds a layer's activations (Korthikanti et al., 2205.05198).
+
+    Tensors after a column-parallel matmul and before a row-parallel one (q, k, v, the attention's
+    scores and output, the ffn units) hold `1/degree` of their heads or units. The norms, residuals
+    and layer inputs between a row output and the next column input are whole without sequence
+    parallelism and hold `1/degree` of the sequence with it. The input a column matmul reads is whole
+    either way (all-gathered under sequence parallelism), and its weight gradient needs it, so a
+    layer keeps it whole; a row matmul's output is a whole partial sum before it is reduced.
+    """
+
+    degree: int = 1
+    sequence_parallel: bool = False
+
+    def units(self, size: int) -> int:
+        """One rank's part of a size split over heads, ffn units or the vocabulary."""
+        return size // self.degree
+
+    def rows(self, tokens: int) -> int:
+        """One rank's tokens of a tensor between a row output and a column input."""
+        return tokens // self.degree if self.sequence_parallel else tokens
+
+
+WHOLE = TensorSplit()
+
+
+def tensor_split(axes: AxisPlan, workload: Workload) -> TensorSplit:
+    """The activations' split under `axes`' tensor degree and `workload`'s sequence parallelism."""
+    return TensorSplit(axes.tensor, axes.tensor > 1 and workload.sequence_parallel)
+
+
+def layer_gradients_held(workload: Workload, split: TensorSplit) -> int:
+    """How many layers' full-size weight gradients the layers' backward holds at its peak.
+
+    One, except in a sequence-parallel step compiled for a GPU: there XLA double-buffers the loop's
+    weight gradients, so one layer's gradient waits for its reduce-scatter while the next layer's is
+    computed (LLaMA-7B's width on H100s: each ffn weight gradient beside its double-buffer clone at
+    the peak; without sequence parallelism, no clone).
+    """
+    return 2 if split.sequence_parallel and workload.platform != "cpu" else 1
+
+
 def activation_itemsize(workload: Workload) -> int:
     """Bytes per element of the activations the step holds on its backend.
 
@@ -151,61 +196,87 @@ def keeps_logits_gradient(workload: Workload) -> bool:
     return workload.platform != "cpu"
 
 
-def activation_bytes(workload: Workload) -> tuple[int, int]:
-    """(bytes kept per layer for the backward pass, bytes of one layer's full forward) per micro-batch,
-    in the compute dtype, with `auto` counted as cuDNN's attention and a blockwise attention's block of
-    scores in the layer (the block the time model's memory passes were fitted with)."""
+def logits_bytes(workload: Workload, split: TensorSplit = WHOLE) -> tuple[int, int]:
+    """(bytes the loss's peak holds for the logits, bytes of the logits' gradient kept through the
+    layers' backward) per micro-batch and device.
+
+    Without a tensor axis the loss holds two logits-sized buffers in the activations' dtype (the logits
+    and their gradient). With one, each rank computes its vocabulary slice and gathers the whole logits
+    for the loss, which keeps only the rank's slice of their gradient: the gathered logits beside the
+    gather's input slice, and XLA:GPU's gradient slice (it fuses the loss into the gathered logits'
+    consumers) or XLA:CPU's second whole buffer (the loss's select over the vocabulary). The head's
+    weight gradient keeps the slice through the layers' backward where the backend keeps the logits'
+    gradient (`keeps_logits_gradient`).
+    """
+    tokens = workload.micro_batch_size * workload.seq_len
+    whole = tokens * workload.dims.vocab_size * activation_itemsize(workload)
+    local = split.units(whole)
+    kept = local if keeps_logits_gradient(workload) else 0
+    if split.degree == 1:
+        return 2 * whole, kept
+    return whole + local + (local if workload.platform != "cpu" else whole), kept
+
+
+def activation_bytes(workload: Workload, split: TensorSplit = WHOLE) -> tuple[int, int]:
+    """(bytes kept per layer for the backward pass, bytes of one layer's full forward) per micro-batch
+    and device, in the compute dtype, with `auto` counted as cuDNN's attention and a blockwise
+    attention's block of scores in the layer (the block the time model's memory passes were fitted
+    with); `split`: one tensor rank's part (`TensorSplit`)."""
     d = workload.dims
-    kept, full_layer = _layer_activations(workload, workload.precision.param_bytes, d.attention)
+    kept, full_layer = _layer_activations(workload, workload.precision.param_bytes, d.attention, split)
     if d.attention == "blockwise":
-        full_layer += _score_block(workload) * 2 * (FP32 + workload.precision.param_bytes)
+        full_layer += _score_block(workload, split) * 2 * (FP32 + workload.precision.param_bytes)
     return (full_layer if workload.remat == "none" else kept), full_layer
 
 
-def _score_block(workload: Workload) -> int:
-    """Scores in one (query block, key block) tile of the blockwise attention, every head."""
+def _score_block(workload: Workload, split: TensorSplit) -> int:
+    """Scores in one (query block, key block) tile of the blockwise attention, every head of a rank."""
     block = min(workload.dims.attention_block, workload.seq_len)
     blocks = -(-workload.seq_len // block)
     block = -(-workload.seq_len // blocks)  # the attention's tiling: equal blocks covering the sequence
-    return workload.micro_batch_size * workload.dims.n_heads * block * block
+    return workload.micro_batch_size * split.units(workload.dims.n_heads) * block * block
 
 
-def _layer_activations(workload: Workload, act: int, attention: str) -> tuple[int, int]:
-    """(bytes kept per layer for the backward pass, bytes of one layer's activations) per micro-batch,
-    activations `act` bytes per element, a blockwise attention's tile of scores left out."""
+def _layer_activations(workload: Workload, act: int, attention: str, split: TensorSplit) -> tuple[int, int]:
+    """(bytes kept per layer for the backward pass, bytes of one layer's activations) per micro-batch
+    and tensor rank, activations `act` bytes per element, a blockwise attention's tile of scores left
+    out."""
     d, b, t = workload.dims, workload.micro_batch_size, workload.seq_len
-    tokens = b * t
-    kv = 2 * d.n_kv_heads * d.head_dim
+    tokens, heads = b * t, split.units(d.n_heads)
+    rows = split.rows(tokens)  # the norms' and residuals' tokens
+    q, kv, ffn = split.units(d.dim), split.units(2 * d.n_kv_heads * d.head_dim), split.units(d.ffn_dim)
     if attention == "xla":
         # The scores of every (query, key) pair: at the backward's peak the fp32 scores, the
         # probabilities and their gradients. Measured (compiled step with this attention minus the
         # flash one, per score): 9.1-9.5 bytes for LLaMA-7B and 13B on A100s in mixed precision at seq
         # 2048-4096; 13-18 bytes on 4-head test models (XLA keeps transposed copies there), so this
         # is a lower bound for small models.
-        attention_bytes = b * d.n_heads * t * t * (2 * FP32 + act)
+        attention_bytes = b * heads * t * t * (2 * FP32 + act)
     else:
         # Flash-style: fp32 softmax statistics per row and head (kept for the backward) and the
         # backward's fp32 dQ accumulator (the forward's fp32 output accumulator is no larger); the
         # scores stay in on-chip memory (cuDNN) or one tile at a time (blockwise, `layer_backward`).
-        attention_bytes = b * d.n_heads * t * FP32 + tokens * d.n_heads * d.head_dim * FP32
+        attention_bytes = b * heads * t * FP32 + tokens * split.units(d.n_heads * d.head_dim) * FP32
     # What the backward reads of one layer (JAX's saved residuals; the same buffers in the GPU-compiled
     # scan): per RMSNorm its fp32 input and normalised output and the activation-dtype result, the
     # attention's q, k, v and output, and six ffn-sized tensors (both projections, sigmoid, silu and
-    # their product).
-    full_layer = tokens * (4 * FP32 * d.dim + act * (4 * d.dim + kv + 6 * d.ffn_dim)) + attention_bytes
+    # their product). Each norm's result is the whole input of the column matmuls after it.
+    full_layer = rows * 4 * FP32 * d.dim + act * tokens * (2 * d.dim + 2 * q + kv + 6 * ffn) + attention_bytes
     kept = {
-        "full": act * tokens * d.dim,
-        # Dot outputs the backward needs (q, k, v, the output projection, both ffn up-projections)
-        # and the layer input; the down projection's output is only added to the residual stream.
-        "dots": act * tokens * (3 * d.dim + kv + 2 * d.ffn_dim),
+        "full": act * rows * d.dim,
+        # Dot outputs the backward needs (q, k, v, the output projection: a whole partial sum under
+        # tensor parallelism, both ffn up-projections) and the layer input; the down projection's
+        # output is only added to the residual stream.
+        "dots": act * (rows * d.dim + tokens * (q + kv + 2 * ffn + d.dim)),
         "none": full_layer,
     }[workload.remat]
     return kept, full_layer
 
 
-def layer_backward(workload: Workload) -> tuple[int, int]:
+def layer_backward(workload: Workload, split: TensorSplit = WHOLE) -> tuple[int, int]:
     """(bytes kept per layer for the backward pass, bytes one layer's backward holds at its peak) per
-    micro-batch, on the step's backend (`activation_itemsize`, `attention_kind`).
+    micro-batch and device, on the step's backend (`activation_itemsize`, `attention_kind`); `split`:
+    one tensor rank's part (`TensorSplit`).
 
     A blockwise attention's backward peaks apart from the rest of the layer, at one tile's fp32 score
     buffers beside the attention's inputs, output and fp32 gradient accumulators. Where the sequence is
@@ -219,14 +290,14 @@ def layer_backward(workload: Workload) -> tuple[int, int]:
     d, tokens = workload.dims, workload.micro_batch_size * workload.seq_len
     act, compute = activation_itemsize(workload), workload.precision.param_bytes
     kind = attention_kind(workload)
-    kept, layer = _layer_activations(workload, act, kind)
+    kept, layer = _layer_activations(workload, act, kind, split)
     if kind != "blockwise":
         return kept, layer
-    scores = _score_block(workload)
-    kv = 2 * d.n_kv_heads * d.head_dim
+    scores = _score_block(workload, split)
+    q, kv, rows = split.units(d.dim), split.units(2 * d.n_kv_heads * d.head_dim), split.rows(tokens)
     # The layer input, q, k, v and the attention's output, with the fp32 normalised input and the fp32
     # dQ, dK and dV accumulators.
-    around = tokens * (act * (3 * d.dim + kv) + FP32 * (2 * d.dim + kv))
+    around = act * (rows * d.dim + tokens * (2 * q + kv)) + FP32 * (rows * d.dim + tokens * (q + kv))
     cast = compute if compute < FP32 else 0  # an fp32 step casts nothing
     one_tile = workload.seq_len <= d.attention_block
     per_score = 2 * FP32 + 2 * compute - cast  # probabilities, score gradients and their cast
@@ -286,10 +357,10 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
     s = _leaf_sums(axes, workload)
     params, grads, trained_master = s["params"], s["grads"], s["trained_master"]
     opt_state = trained_master // FP32 * workload.opt_state_bytes_per_param
-    kept, layer_peak = layer_backward(workload)
-    d, layers = workload.dims, workload.dims.n_layers
-    logits = workload.micro_batch_size * workload.seq_len * d.vocab_size * activation_itemsize(workload)
-    kept_logits = logits if keeps_logits_gradient(workload) else 0
+    split = tensor_split(axes, workload)
+    kept, layer_peak = layer_backward(workload, split)
+    layers = workload.dims.n_layers
+    logits, kept_logits = logits_bytes(workload, split)
     saved = layers * kept
     if workload.remat == "none":
         # The forward's scan keeps every layer's gathered weights as residuals, a copy even where P
@@ -310,25 +381,28 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
     peaks = {
         "loss": Peak(
             gathered=other_extra + s["fp32_copies"], grads=accumulation, p_with_os=transposed,
-            activations=saved + 2 * logits + first_layer,
+            activations=saved + logits + first_layer,
         ),
         "backward": Peak(
             gathered=(3 if prefetch else 1) * s["layer_extra"] + held_other + s["fp32_copies"],
             grads=accumulation - s["other_grads"],
             p_with_os=transposed,
-            activations=saved + kept_logits + layer_peak + s["layer_grad"] + first_layer,
+            activations=(
+                saved + kept_logits + layer_peak + layer_gradients_held(workload, split) * s["layer_grad"]
+                + first_layer
+            ),
         ),
         "update": Peak(opt_state=0 if workload.update_in_place else trained_master),
         "refresh": Peak(grads=-grads, p_with_os=s["refresh"]),
     }  # fmt: skip
     from_master = params if schedule.params_from_master(axes.strategy) else 0
-    passes = _passes_block(workload)
+    passes = _passes_block(workload, split)
     return Memory(params - from_master, grads, s["master"], opt_state, passes, peaks, from_master)
 
 
-def _passes_block(workload: Workload) -> int:
+def _passes_block(workload: Workload, split: TensorSplit) -> int:
     """The block the memory passes are priced by (`amsp_jax.cost.timing`): the saved inputs, one layer's
     full activations and two fp32 logits-sized buffers, as `amsp-jax profile` fitted them."""
-    kept, full_layer = activation_bytes(workload)
+    kept, full_layer = activation_bytes(workload, split)
     logits = workload.micro_batch_size * workload.seq_len * workload.dims.vocab_size
     return workload.dims.n_layers * kept + full_layer + 2 * logits * FP32
