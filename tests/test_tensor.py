@@ -49,12 +49,12 @@ def expected(name: str) -> tuple[list[float], dict]:
     return reference(model, data(), jax.random.key(0), loss_fn)
 
 
-def train(name: str, strategy: str, sequence_parallel: bool, micro_batches: int, **kw):
+def train(name: str, strategy: str, sequence_parallel: bool, micro_batches: int, form: str = "gather", **kw):
     model, loss_fn = model_and_loss(name)
     cluster = kw.pop("cluster", CLUSTER)
     plan = aj.Plan(
         cluster, aj.resolve(strategy, cluster), micro_batches, precision="fp32",
-        sequence_parallel=sequence_parallel,
+        sequence_parallel=sequence_parallel, tensor_matmul=form,
     )  # fmt: skip
     trainer = aj.Trainer(plan, model, optimizer(), loss_fn, **kw)
     state = trainer.init(jax.random.key(0), data()[0]["inputs"])

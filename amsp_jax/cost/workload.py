@@ -65,6 +65,7 @@ class Workload:
     # the activations between them are split along the sequence.
     boundaries: tuple[Boundary, ...] = ()
     sequence_parallel: bool = True
+    tensor_matmul: str = "gather"  # the matmul form (`Plan.tensor_matmul`); the boundaries say which ran
 
     def wire_bytes(self, itemsize: int) -> int:
         """Bytes per element on the wire for a tensor of `itemsize`."""
