@@ -91,6 +91,15 @@ class Measured:
             f"/{scope}/while/body/" in part for scope in self.layer_scopes for part in _parts(c.op_name)
         )
 
+    def hidden_bytes(self, kind: str) -> tuple[int, int]:
+        """(bytes with matrix compute between start and done, all bytes) of the collectives of `kind`."""
+        hidden = total = 0
+        for c, o in zip(self.collectives, self.overlaps, strict=True):
+            if c.kind == kind and not c.scalar:
+                size = hlo.bytes_per_device(c)
+                total, hidden = total + size, hidden + (size if o.hidden else 0)
+        return hidden, total
+
     def overlap_summary(self) -> dict[str, Any]:
         """Per-layer bytes with compute between start and done vs exposed, by phase; the exposed ones."""
         if not self.overlaps:
