@@ -12,6 +12,7 @@ the ring's bytes hidden behind a gemm in XLA's schedule, beside the gather form'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -38,7 +39,7 @@ WIDE = LlamaConfig(
 CASES = [
     (None, "tiny", "t=2,zero3", 2, "full", "fp32", "ring"),
     (None, "tiny", "t=2,p=1x1,g=2x1,os=2x2", 1, "dots", "fp32", "ring"),
-    (None, "tiny", "t=4,zero3", 3, "none", "mixed", "ring"),
+    (None, "tiny kv4", "t=4,zero3", 3, "none", "mixed", "ring"),
     ("h100-sxm", "wide", "t=2,zero3", 1, "full", "mixed", "ring"),
     ("h100-sxm", "wide", "t=2,zero3", 1, "full", "mixed", "gather"),
     ("h100-sxm", "wide", "t=4,zero3", 1, "full", "mixed", "ring"),
@@ -48,8 +49,9 @@ CASES = [
 
 def run_case(target, model_name, strategy, micro, remat, precision, form):  # type: ignore[no-untyped-def]
     config = WIDE
-    if model_name != "wide":
-        config = LlamaConfig.from_yaml(find("models", model_name, ModelConfigError))
+    if model_name != "wide":  # "tiny kv4": the tiny model with a key/value head per rank at t = 4
+        config = LlamaConfig.from_yaml(find("models", model_name.split()[0], ModelConfigError))
+        config = dataclasses.replace(config, n_kv_heads=4) if model_name.endswith("kv4") else config
     devices = gpu_target.topology(target, 2, 8) if target else None
     cluster = aj.Cluster.detect(devices) if devices else aj.Cluster(2, 4)
     plan = aj.Plan(

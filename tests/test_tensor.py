@@ -134,6 +134,15 @@ def test_a_checkpoint_of_a_tensor_parallel_plan_restores_onto_four_devices_witho
     assert jax.tree.all(jax.tree.map(np.array_equal, other.full_params(restored), trainer.full_params(state)))
 
 
+def test_a_matmul_form_is_checked_when_the_plan_is_made():
+    strategy = aj.resolve("t=2,zero3", CLUSTER)
+    with pytest.raises(ValueError, match=re.escape("unknown tensor_matmul 'cannon'; use one of")):
+        aj.Plan(CLUSTER, strategy, tensor_matmul="cannon")
+    with pytest.raises(ValueError, match="needs sequence parallelism"):
+        aj.Plan(CLUSTER, strategy, sequence_parallel=False, tensor_matmul="ring")
+    assert aj.Plan(CLUSTER, strategy, tensor_matmul="ring").describe().endswith(", ring matmuls")
+
+
 def test_presets_take_a_tensor_degree():
     assert str(aj.resolve("t=2,zero3", CLUSTER)) == "t=2,p=2x2,g=2x2,os=2x2"
     assert str(aj.resolve("t=2,mics", CLUSTER)) == "t=2,p=2x1,g=2x1,os=2x1"

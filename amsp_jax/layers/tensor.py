@@ -16,9 +16,12 @@ transformer layer in each pass); without it `column_input` is an identity whose 
 the group and `row_output` an all-reduce.
 
 Each boundary is a `custom_vjp`, so its backward is Megatron's (the transpose of the forward collective)
-whatever the shard_map typing of the values it meets. Models that use `nn.Dense`, `nn.DenseGeneral` and
-`nn.Embed` get these boundaries from the step; a model with its own parameters calls them itself (the
-bundled LLaMA does) and sizes its parameters with `tensor_degree()`.
+whatever the shard_map typing of the values it meets. `column_matmul` and `row_matmul` take the matmul
+too and run in the plan's form (`TensorContext.matmul`): `gather`, the collective then the matmul as
+above, or `ring`, a collective matmul of t - 1 `ppermute`s interleaved with sequence-block products
+(`layers.tensor_ring`). Models that use `nn.Dense`, `nn.DenseGeneral` and `nn.Embed` get these
+boundaries from the step; a model with its own parameters calls them itself (the bundled LLaMA does)
+and sizes its parameters with `tensor_degree()`.
 """
 
 from __future__ import annotations

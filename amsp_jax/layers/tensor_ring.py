@@ -10,13 +10,15 @@ beside it, so that XLA runs the transfer behind it.
   slice of the contracting dimension; at step k it adds its partial product for one sequence block to
   the running sum it received and passes the sum on, so after t steps it holds its own block summed.
 
-Both are plain JAX, and their gradients are JAX's transposes, which are each other's: the input
-gradient of an all-gather-matmul is the chain of shifts transposed, a matmul-reduce-scatter of the
-output gradient (each block's partial the sum over the kernels that read it); that of a
-matmul-reduce-scatter is an all-gather-matmul of the output gradient, whose blocks also give the weight
-gradient block by block. The column form's weight gradient reads the blocks kept from the forward ring
-(as the gather form keeps the gathered input), or recomputed with it under remat. Each ring thus moves
-t - 1 blocks per pass, forward and backward, and nothing else.
+Their gradients are JAX's transposes, which are each other's: the input gradient of an
+all-gather-matmul is the chain of shifts transposed, a matmul-reduce-scatter of the output gradient
+(each block's partial the sum over the kernels that read it); that of a matmul-reduce-scatter is an
+all-gather-matmul of the output gradient, whose blocks also give the weight gradient block by block.
+The column form's weight gradient reads the blocks kept from the forward ring (as the gather form keeps
+the gathered input), or recomputed with it under remat. Each ring thus moves t - 1 blocks per pass,
+forward and backward, and nothing else. Block products that share a kernel and no transfer are ordered
+one after another (`_after`, and the column form's custom backward), else XLA merges them into one
+product that no transfer can run beside.
 """
 
 from __future__ import annotations
