@@ -63,6 +63,8 @@ def test_the_analytical_estimator_only_before_jaxlib_0_11_and_one_collective_in_
         assert ("xla_gpu_enable_analytical_latency_estimator" in options) is estimator
         # XLA's default of one collective in flight: with the instruction profile, more only cost memory.
         assert limit not in options
+        # A ring plan's transfers run beside the layer's weight gathers (`layers.tensor_ring`).
+        assert xla.gpu_options(collective_matmul=True)[limit] == 2
 
 
 def test_a_gpu_is_priced_with_the_shipped_config_of_its_model():

@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with t > 1: whole activations on every tensor rank, row-parallel outputs all-reduced",
     )  # fmt: skip
     parser.add_argument(
+        "--tensor-matmul", choices=("gather", "ring"), default="gather",
+        help="with t > 1: the collective, then the matmul (gather), or collective matmuls (ring)",
+    )  # fmt: skip
+    parser.add_argument(
         "--strategy", default="zero3", help="preset name or p=AxB,g=AxB,os=AxB; t=N, first: tensor degree"
     )
     parser.add_argument("--micro-batches", type=int, default=1)
@@ -121,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
         prefetch={"auto": None, "loop": True, "none": False}[args.prefetch],
         keep_first_layer=args.keep_first_layer,
         sequence_parallel=not args.no_sequence_parallel,
+        tensor_matmul=args.tensor_matmul,
         memory_limit=None if args.memory_limit is None else args.memory_limit * 2**30,
     )
     model = Llama(config)

@@ -91,6 +91,15 @@ class Measured:
             f"/{scope}/while/body/" in part for scope in self.layer_scopes for part in _parts(c.op_name)
         )
 
+    def hidden_bytes(self, kind: str) -> tuple[int, int]:
+        """(bytes with matrix compute between start and done, all bytes) of the collectives of `kind`."""
+        hidden = total = 0
+        for c, o in zip(self.collectives, self.overlaps, strict=True):
+            if c.kind == kind and not c.scalar:
+                size = hlo.bytes_per_device(c)
+                total, hidden = total + size, hidden + (size if o.hidden else 0)
+        return hidden, total
+
     def overlap_summary(self) -> dict[str, Any]:
         """Per-layer bytes with compute between start and done vs exposed, by phase; the exposed ones."""
         if not self.overlaps:
@@ -278,7 +287,7 @@ class Report:
         lines = [
             # The schedule, and so the overlap below, is the installed XLA's: it differs between releases.
             f"strategy {self.strategy} (compiled by jaxlib {metadata.version('jaxlib')})",
-            f"{'collective':<16}{'level':<7}{'predicted B':>17}{'measured B':>17}      "
+            f"{'collective':<19}{'level':<7}{'predicted B':>17}{'measured B':>17}      "
             f"{'issued: predicted':>18}{'compiled':>10}",
         ]
         for kind in sorted(set(predicted) | set(measured)):
@@ -292,7 +301,7 @@ class Report:
                     )  # fmt: skip
         lines.append("phases (predicted):")
         for t in self.predicted.transfers:
-            lines.append(f"  {t.phase:<40}{t.kind:<16}{t.level:<7}{t.bytes:>17,}  {t.executions} issued")
+            lines.append(f"  {t.phase:<40}{t.kind:<19}{t.level:<7}{t.bytes:>17,}  {t.executions} issued")
         mem = self.predicted.memory
         peaks = ", ".join(f"{name} {mem.peak(name):,}" for name in cost.PEAKS)
         lines.append(
@@ -314,7 +323,7 @@ class Report:
 def bytes_row(kind: str, level: str, predicted: int, measured: int, launched: int, issued: int) -> str:
     """One line of the audit's bytes table: columns wide enough for a 1,024-GPU step's bytes (tens of GB)."""
     verdict = "ok" if predicted == measured else "DIFFERS"
-    return f"{kind:<16}{level:<7}{predicted:>17,}{measured:>17,}  {verdict:<8}{launched:>14,}{issued:>10,}"
+    return f"{kind:<19}{level:<7}{predicted:>17,}{measured:>17,}  {verdict:<8}{launched:>14,}{issued:>10,}"
 
 
 def _overlap_lines(summary: dict[str, Any]) -> list[str]:
@@ -368,6 +377,7 @@ def workload_of(trainer: Any, batch: Any, dims: cost.ModelDims) -> cost.Workload
         platform=platform,
         boundaries=boundaries,
         sequence_parallel=plan.sequence_parallel,
+        tensor_matmul=plan.tensor_matmul,
     )
 
 

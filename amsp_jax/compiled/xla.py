@@ -87,9 +87,13 @@ def scheduler_options() -> dict[str, object]:
 OPTIMIZATION_LEVEL_O1 = 19
 
 
-def gpu_options(layer_bytes: int = 0, slop_factor: int | None = None) -> dict[str, object]:
+def gpu_options(
+    layer_bytes: int = 0, slop_factor: int | None = None, collective_matmul: bool = False
+) -> dict[str, object]:
     """The GPU compiler options; the gather and all-reduce combine thresholds are at least one layer
-    (`combine_thresholds`); `slop_factor` sets the scheduler's memory budget (`scheduler_slop_factor`)."""
+    (`combine_thresholds`); `slop_factor` sets the scheduler's memory budget (`scheduler_slop_factor`).
+    `collective_matmul` (a `ring` plan): two collectives may be in flight at once, so that a ring's
+    transfers run beside the layer's weight gathers instead of waiting for them."""
     thresholds = combine_thresholds("gpu", layer_bytes)
     cache = os.environ.get(KERNEL_CACHE_ENV)
     budget = _memory_budget(slop_factor)
@@ -102,12 +106,15 @@ def gpu_options(layer_bytes: int = 0, slop_factor: int | None = None) -> dict[st
         "xla_gpu_all_gather_combine_threshold_bytes": int(thresholds["all-gather"]),
         "xla_gpu_reduce_scatter_combine_threshold_bytes": int(thresholds["reduce-scatter"]),
         "xla_gpu_all_reduce_combine_threshold_bytes": int(thresholds["all-reduce"]),
-    }
+        # A collective matmul's transfers are each hidden behind their own block product (`tensor_ring`).
+        "xla_gpu_collective_permute_combine_threshold_bytes": 0,
+    } | ({"xla_gpu_experimental_parallel_collective_overlap_limit": 2} if collective_matmul else {})
 
 
 def compiler_options(
-    platform: str, layer_bytes: int = 0, slop_factor: int | None = None, devices: int = 2
-) -> dict[str, object] | None:
+    platform: str, layer_bytes: int = 0, slop_factor: int | None = None, devices: int = 2,
+    collective_matmul: bool = False,
+) -> dict[str, object] | None:  # fmt: skip
     """Options for `Lowered.compile` on `platform` over `devices` devices (None: XLA's defaults). One
     device has no collective to overlap: it gets only the memory budget, which XLA's rematerialization
     reads as well."""
@@ -115,7 +122,7 @@ def compiler_options(
         return None
     if devices < 2:
         return _memory_budget(slop_factor) or None
-    return gpu_options(layer_bytes, slop_factor)
+    return gpu_options(layer_bytes, slop_factor, collective_matmul)
 
 
 def _memory_budget(slop_factor: int | None) -> dict[str, object]:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from amsp_jax.core.schedule import Implementation
 from amsp_jax.core.space import Cluster, Strategy
+from amsp_jax.core.tensor import MATMUL_FORMS
 
 REMAT_POLICIES = ("none", "dots", "full")
 
@@ -72,6 +73,10 @@ class Plan:
     # all-gathered over the sequence and row-parallel outputs reduce-scattered onto it (Megatron-SP);
     # off: every tensor rank holds whole activations and row-parallel outputs are all-reduced.
     sequence_parallel: bool = True
+    # How a tensor-parallel matmul meets its collective: "gather" (the collective, then the matmul, or the
+    # matmul, then the reduce-scatter) or "ring" (collective matmul: t - 1 ppermutes interleaved with
+    # block products, `amsp_jax.layers.tensor_ring`; needs sequence parallelism).
+    tensor_matmul: str = "gather"
 
     @property
     def implementation(self) -> Implementation:
@@ -90,6 +95,13 @@ class Plan:
             raise ValueError(f"unknown remat policy {self.remat!r}; use one of {REMAT_POLICIES}")
         if self.memory_limit is not None and self.memory_limit <= 0:
             raise ValueError(f"memory_limit is bytes per device, so positive; got {self.memory_limit}")
+        if self.tensor_matmul not in MATMUL_FORMS:
+            raise ValueError(f"unknown tensor_matmul {self.tensor_matmul!r}; use one of {MATMUL_FORMS}")
+        if self.tensor_matmul == "ring" and not self.sequence_parallel:
+            raise ValueError(
+                'tensor_matmul="ring" passes sequence blocks round the tensor group, so it needs sequence '
+                'parallelism; drop sequence_parallel=False or use tensor_matmul="gather"'
+            )
         self.strategy.validate(self.cluster, self.allow_partial_nodes)
 
     def remat_policy(self) -> tuple[bool, object]:
@@ -110,4 +122,5 @@ class Plan:
             f"{', no gathering ahead' if self.prefetch is False else ''}"
             f"{', first layer kept' if self.keep_first_layer and self.micro_batches > 1 else ''}"
             f"{'' if self.strategy.tensor == 1 or self.sequence_parallel else ', no sequence parallelism'}"
+            f"{', ring matmuls' if self.strategy.tensor > 1 and self.tensor_matmul == 'ring' else ''}"
         )

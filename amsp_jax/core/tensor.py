@@ -24,6 +24,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from amsp_jax.errors import AmspError
 
 TENSOR = "tensor"
+# How a tensor-parallel matmul meets its collective (`Plan.tensor_matmul`).
+MATMUL_FORMS = ("gather", "ring")
 Rules = tuple[tuple[str, str | None], ...]
 # MaxText's logical names on its `tensor` axis (its base config's `logical_axis_rules`).
 DEFAULT_TENSOR_RULES: Rules = (

@@ -9,6 +9,14 @@ Per boundary, with t devices in the tensor group and `whole` the elements of the
 | column input | all-gather of whole/t, reduce-scatter of whole | -, all-reduce of whole |
 | row output | reduce-scatter of whole, all-gather of whole/t | all-reduce of whole, - |
 | vocabulary gather | all-gather of whole/t, - (each rank keeps its slice) | the same |
+| column matmul (ring) | t - 1 collective-permutes of whole/t, the same | (needs sequence parallelism) |
+| row matmul (ring) | t - 1 collective-permutes of whole/t, the same | (needs sequence parallelism) |
+
+The ring form (`layers.tensor_ring`, `Plan(..., tensor_matmul="ring")`) passes one sequence block per
+step: forward the input's blocks (column) or the running sums (row), backward the input gradient's
+running sums (column) or the output gradient's blocks (row); the column form keeps the blocks it
+received, so its weight gradient needs no third ring. Projections of one input share its ring.
+A layer's last ring, recomputed under remat for a sum nothing reads, is dropped on every backend.
 
 A layer's forward collectives run once more in its backward pass under remat (`dots` or `full`: a
 gathered or summed activation is not a matmul output, so it is recomputed, not saved); where the
@@ -29,11 +37,19 @@ import math
 
 from amsp_jax.core.backend import drops_unused_collective
 from amsp_jax.core.mesh import AxisPlan, leaf_layout
-from amsp_jax.core.schedule import ALL_REDUCE, REDUCE_SCATTER, REDUCTION, Implementation, Op, _Builder
+from amsp_jax.core.schedule import (
+    ALL_REDUCE,
+    COLLECTIVE_PERMUTE,
+    REDUCE_SCATTER,
+    REDUCTION,
+    Implementation,
+    Op,
+    _Builder,
+)
 from amsp_jax.core.tensor import TENSOR
 from amsp_jax.cost.traffic import Transfer, issued, largest_gather_bytes
 from amsp_jax.cost.workload import Workload
-from amsp_jax.layers.tensor import COLUMN, ROW, VOCAB
+from amsp_jax.layers.tensor import COLUMN, COLUMN_RING, ROW, ROW_RING, VOCAB
 
 TENSOR_FORWARD = "tensor boundaries (forward, remat)"
 TENSOR_BACKWARD = "tensor boundaries (backward)"
@@ -48,12 +64,18 @@ def tensor_ops(axes: AxisPlan, workload: Workload) -> list[Op]:
     group, sp = (TENSOR,), workload.sequence_parallel
     last = {b.unit: i for i, b in enumerate(workload.boundaries)}  # each unit's last boundary
     ops: list[Op] = []
-    dropped = drops_unused_collective(workload.platform, REDUCE_SCATTER if sp else ALL_REDUCE)
+    sums = REDUCE_SCATTER if sp else ALL_REDUCE  # the gather form's row output
     for i, b in enumerate(workload.boundaries):
         runs = layers.get(b.unit, 1) * workload.micro_batches
-        layer_output = b.kind == ROW and last[b.unit] == i and dropped
+        # XLA:CPU and XLA:GPU both drop a ring whose sum nothing reads (a GPU reduce-scatter stays).
+        dropped = b.kind == ROW_RING or (b.kind == ROW and drops_unused_collective(workload.platform, sums))
+        layer_output = last[b.unit] == i and dropped
         forward = runs * (2 if b.unit is not None and workload.remat != "none" and not layer_output else 1)
         shard = b.elements // axes.tensor
+        if b.kind in (COLUMN_RING, ROW_RING):
+            steps = axes.tensor - 1  # one block passed on per step of the ring, in each pass
+            for phase, runs_in in ((TENSOR_FORWARD, forward), (TENSOR_BACKWARD, runs)):
+                ops.append(build.op(phase, COLLECTIVE_PERMUTE, group, 1, shard, b.itemsize, steps * runs_in))
         if b.kind == VOCAB or (b.kind == COLUMN and sp):
             ops += build.all_gather(TENSOR_FORWARD, group, 1, shard, b.itemsize, forward)
         if b.kind == COLUMN:

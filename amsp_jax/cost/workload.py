@@ -68,6 +68,7 @@ class Workload:
     # The tensor degree the step runs at: each device multiplies with its 1/t slice of every
     # tensor-split leaf, over all its group's tokens.
     tensor: int = 1
+    tensor_matmul: str = "gather"  # the matmul form (`Plan.tensor_matmul`); the boundaries say which ran
 
     def wire_bytes(self, itemsize: int) -> int:
         """Bytes per element on the wire for a tensor of `itemsize`."""

@@ -16,9 +16,12 @@ transformer layer in each pass); without it `column_input` is an identity whose 
 the group and `row_output` an all-reduce.
 
 Each boundary is a `custom_vjp`, so its backward is Megatron's (the transpose of the forward collective)
-whatever the shard_map typing of the values it meets. Models that use `nn.Dense`, `nn.DenseGeneral` and
-`nn.Embed` get these boundaries from the step; a model with its own parameters calls them itself (the
-bundled LLaMA does) and sizes its parameters with `tensor_degree()`.
+whatever the shard_map typing of the values it meets. `column_matmul` and `row_matmul` take the matmul
+too and run in the plan's form (`TensorContext.matmul`): `gather`, the collective then the matmul as
+above, or `ring`, a collective matmul of t - 1 `ppermute`s interleaved with sequence-block products
+(`layers.tensor_ring`). Models that use `nn.Dense`, `nn.DenseGeneral` and `nn.Embed` get these
+boundaries from the step; a model with its own parameters calls them itself (the bundled LLaMA does)
+and sizes its parameters with `tensor_degree()`.
 """
 
 from __future__ import annotations
@@ -33,8 +36,14 @@ import jax
 import jax.numpy as jnp
 
 from amsp_jax.core.tensor import DEFAULT_TENSOR_RULES, TENSOR, Rules, TensorRuleError, tensor_dim
-
-SEQUENCE_DIM = 1  # activations are (batch, sequence, ...)
+from amsp_jax.layers.tensor_ring import (
+    SEQUENCE_DIM,
+    Blocks,
+    Matmul,
+    gather_matmul,
+    matmul_scatter,
+    ring_blocks,
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,11 +54,13 @@ class TensorContext:
     sequence_parallel: bool
     rules: Rules = DEFAULT_TENSOR_RULES
     axis: str = TENSOR
+    matmul: str = "gather"  # how `column_matmul` and `row_matmul` run: one of `core.tensor.MATMUL_FORMS`
 
 
 _CONTEXT: contextvars.ContextVar[TensorContext | None] = contextvars.ContextVar("tensor", default=None)
 
 COLUMN, ROW, VOCAB = "column input", "row output", "vocabulary gather"
+COLUMN_RING, ROW_RING = "column matmul (ring)", "row matmul (ring)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +114,7 @@ def _record(kind: str, shape: tuple[int, ...], dtype: jnp.dtype) -> None:
 
 # Per trace: each activation's column input, so projections of one input (query, key and value) share
 # one all-gather forward and one reduce-scatter of their summed gradients backward (a fused QKV).
-_COLUMN_INPUTS: contextvars.ContextVar[dict[int, tuple[jax.Array, jax.Array]] | None] = (
+_COLUMN_INPUTS: contextvars.ContextVar[dict[int, tuple[jax.Array, jax.Array | Blocks]] | None] = (
     contextvars.ContextVar("column_inputs", default=None)
 )
 
@@ -238,6 +249,60 @@ def row_output(y: jax.Array) -> jax.Array:
     if _sequence_parallel(context, y):
         return _with_backward(_scatter(context.axis, SEQUENCE_DIM), _gather(context.axis, SEQUENCE_DIM))(y)
     return _with_backward(_sum(context.axis), lambda ct: ct)(y)
+
+
+def _ring(context: TensorContext | None, x: jax.Array) -> bool:
+    """Whether a fused matmul runs as a collective matmul here (the `ring` form needs sequence shards)."""
+    return context is not None and context.matmul == "ring" and _sequence_parallel(context, x)
+
+
+def column_matmul(
+    matmul: Matmul, x: jax.Array, *kernels: jax.Array, cast: Callable[[jax.Array], jax.Array] | None = None
+) -> tuple[jax.Array, ...]:
+    """`matmul(column_input(x), kernel)` for each column-parallel kernel slice: in the `ring` form an
+    all-gather-matmul, each sequence block's product computed while the next block travels
+    (`layers.tensor_ring`); else `column_input`, then the matmuls. Calls on one `x` in one trace share
+    its collective (query, key and value projections: one all-gather, or one ring, and one gradient
+    reduction). `matmul(x, kernel)` contracts x's last dimensions and keeps (batch, sequence) first;
+    `cast` (e.g. a module's dtype promotion) is applied to x after the collective."""
+    cast = cast if cast is not None else (lambda x: x)
+    context = _CONTEXT.get()
+    if not _ring(context, x):
+        whole = cast(column_input(x))
+        return tuple(matmul(whole, kernel) for kernel in kernels)
+    assert context is not None
+    seen = _COLUMN_INPUTS.get()
+    if seen is not None and id(x) in seen and seen[id(x)][0] is x:
+        blocks: Blocks = seen[id(x)][1]  # type: ignore[assignment]
+    else:
+        shape = list(x.shape)
+        shape[SEQUENCE_DIM] *= context.degree
+        _record(COLUMN_RING, tuple(shape), x.dtype)
+        blocks = ring_blocks(x, context.axis, context.degree)
+        if seen is not None:
+            seen[id(x)] = (x, blocks)  # type: ignore[assignment]
+    cast_blocks = [cast(block) for block in blocks]
+    axis, degree = context.axis, context.degree
+    return tuple(gather_matmul(cast_blocks, kernel, matmul, axis, degree) for kernel in kernels)
+
+
+def row_matmul(matmul: Matmul, x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """`row_output(matmul(x, kernel))` for a row-parallel kernel slice: in the `ring` form a
+    matmul-reduce-scatter, each sequence block's partial product added to the running sum that travels
+    round the group; else the matmul, then `row_output`."""
+    context = _CONTEXT.get()
+    if not _ring(context, x):
+        return row_output(matmul(x, kernel))
+    assert context is not None
+    if x.shape[SEQUENCE_DIM] % context.degree:
+        raise TensorRuleError(
+            f"the ring form splits the sequence ({x.shape[SEQUENCE_DIM]} positions) over t={context.degree} "
+            "ranks, which does not divide it; use a sequence length that divides, or "
+            'Plan(..., tensor_matmul="gather")'
+        )
+    out = jax.eval_shape(matmul, x, kernel)
+    _record(ROW_RING, out.shape, out.dtype)
+    return matmul_scatter(x, kernel, matmul, context.axis, context.degree)
 
 
 def sequence_shard(x: jax.Array) -> jax.Array:

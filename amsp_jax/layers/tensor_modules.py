@@ -58,12 +58,15 @@ def parallel_matmul(
             f"rank while its output is split to {kernel.shape[len(axis) :]}; give the bias the kernel's "
             f"output names (e.g. bias_init=nn.with_logical_partitioning(init, {names[len(axis):]}))"
         )
-    x = tensor.column_input(inputs) if column else inputs
-    x, kernel, bias = promote(x, kernel, bias)
-    contract = tuple(a % x.ndim for a in axis)
-    out = jax.lax.dot_general(x, kernel, ((contract, tuple(range(len(axis)))), ((), ())), precision=precision)
-    if not column:
-        out = tensor.row_output(out)
+    _, kernel, bias = promote(inputs, kernel, bias)
+    contract = tuple(a % inputs.ndim for a in axis)
+    dims = ((contract, tuple(range(len(axis)))), ((), ()))
+    matmul = lambda x, k: jax.lax.dot_general(x, k, dims, precision=precision)  # noqa: E731
+    if column:
+        cast = lambda x: promote(x, kernel, bias)[0]  # noqa: E731
+        (out,) = tensor.column_matmul(matmul, inputs, kernel, cast=cast)
+    else:
+        out = tensor.row_matmul(matmul, promote(inputs, kernel, bias)[0], kernel)
     if bias is not None:
         out = out + bias
     if column and names[dim] == "vocab":

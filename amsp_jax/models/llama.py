@@ -201,16 +201,24 @@ class Block(nn.Module):
         dtype = w["wq"].dtype
         x_BTD = x_BTD.astype(dtype)  # in a sequence-parallel step, this rank's sequence shard
 
-        h = tensor.column_input(rms_norm(x_BTD, w["attention_norm"], c.norm_eps))
-        q = apply_rope(jnp.einsum("btd,dhk->bthk", h, w["wq"]), cos, sin)
-        k = apply_rope(jnp.einsum("btd,dhk->bthk", h, w["wk"]), cos, sin)
-        v = jnp.einsum("btd,dhk->bthk", h, w["wv"])
+        # One collective (or one ring) carries the normed input to the query, key and value projections.
+        h = rms_norm(x_BTD, w["attention_norm"], c.norm_eps)
+        q, k, v = tensor.column_matmul(_project, h, w["wq"], w["wk"], w["wv"])
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = attention_lib.attention(q, k, v, c.attention, c.attention_block)
-        x_BTD = x_BTD + tensor.row_output(jnp.einsum("bthk,hkd->btd", attn, w["wo"]))
+        x_BTD = x_BTD + tensor.row_matmul(_merge_heads, attn, w["wo"])
 
-        h = tensor.column_input(rms_norm(x_BTD, w["ffn_norm"], c.norm_eps))
-        gate = jax.nn.silu(h @ w["w1"]) * (h @ w["w3"])
-        return x_BTD + tensor.row_output(gate @ w["w2"])
+        h = rms_norm(x_BTD, w["ffn_norm"], c.norm_eps)
+        gate, up = tensor.column_matmul(jnp.matmul, h, w["w1"], w["w3"])
+        return x_BTD + tensor.row_matmul(jnp.matmul, jax.nn.silu(gate) * up, w["w2"])
+
+
+def _project(x_BTD: jax.Array, w_DHK: jax.Array) -> jax.Array:
+    return jnp.einsum("btd,dhk->bthk", x_BTD, w_DHK)
+
+
+def _merge_heads(x_BTHK: jax.Array, w_HKD: jax.Array) -> jax.Array:
+    return jnp.einsum("bthk,hkd->btd", x_BTHK, w_HKD)
 
 
 class Llama(nn.Module):
@@ -231,7 +239,8 @@ class Llama(nn.Module):
             if c.tie_embeddings
             else _param(self, "lm_head", nn.initializers.normal(0.02), (c.dim, c.vocab_size))
         )
-        return tensor.vocab_gather(tensor.column_input(x_BTD) @ head).astype(jnp.float32)
+        (logits,) = tensor.column_matmul(jnp.matmul, x_BTD, head)
+        return tensor.vocab_gather(logits).astype(jnp.float32)
 
 
 @jax.custom_vjp

@@ -83,6 +83,7 @@ def _leaves(program: StepProgram) -> list[str]:
         count = sum(math.prod(pl.leaves[p].shape) for p in split)
         total = sum(math.prod(leaf.shape) for leaf in pl.leaves.values())
         form = "sequence-parallel" if program.plan.sequence_parallel else "no sequence parallelism"
+        form += f", {program.plan.tensor_matmul} matmuls"
         lines.append(
             f"tensor      t={layout.tensor}, {form}: {len(split)} leaves ({count / total:.0%} of the "
             f"parameters) split over the tensor axis, by their logical names; the rest whole on it"

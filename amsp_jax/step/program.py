@@ -149,7 +149,9 @@ class StepProgram:
         """What the model's tensor-parallel layers read while the step traces it (None: t = 1)."""
         if self.layout.tensor == 1:
             return None
-        return TensorContext(self.layout.tensor, self.plan.sequence_parallel, self.tensor_rules)
+        return TensorContext(
+            self.layout.tensor, self.plan.sequence_parallel, self.tensor_rules, matmul=self.plan.tensor_matmul
+        )
 
 
 def without(optimizer: optax.GradientTransformation, frozen: Callable[[Path], bool]) -> Any:

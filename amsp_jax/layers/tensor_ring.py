@@ -1,0 +1,106 @@
+"""Collective matmuls over the tensor axis (the `ring` form): the sequence blocks of an activation travel
+round the tensor group one neighbour per step, t - 1 `ppermute`s, each independent of the block product
+beside it, so that XLA runs the transfer behind it.
+
+- all-gather-matmul (column-parallel input): each rank holds a sequence block of x, [b, s/t, d]; the
+  blocks are passed on t - 1 times (`ring_blocks`, shared by every kernel that reads x, as query, key
+  and value do) and each block multiplied by the rank's column slice of a kernel as it arrives, giving
+  `matmul(x_whole, kernel)`, [b, s, f/t], without holding x gathered first.
+- matmul-reduce-scatter (row-parallel output): each rank holds x whole along the sequence with its
+  slice of the contracting dimension; at step k it adds its partial product for one sequence block to
+  the running sum it received and passes the sum on, so after t steps it holds its own block summed.
+
+Their gradients are JAX's transposes, which are each other's: the input gradient of an
+all-gather-matmul is the chain of shifts transposed, a matmul-reduce-scatter of the output gradient
+(each block's partial the sum over the kernels that read it); that of a matmul-reduce-scatter is an
+all-gather-matmul of the output gradient, whose blocks also give the weight gradient block by block.
+The column form's weight gradient reads the blocks kept from the forward ring (as the gather form keeps
+the gathered input), or recomputed with it under remat. Each ring thus moves t - 1 blocks per pass,
+forward and backward, and nothing else. Block products that share a kernel and no transfer are ordered
+one after another (`_after`, and the column form's custom backward), else XLA merges them into one
+product that no transfer can run beside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+SEQUENCE_DIM = 1  # activations are (batch, sequence, ...)
+Matmul = Callable[[jax.Array, jax.Array], jax.Array]
+Blocks = list[jax.Array]  # in arrival order: the k-th is rank (rank + k) % t's sequence block
+
+
+def _shift(x: jax.Array, axis: str, degree: int) -> jax.Array:
+    """`x` sent to the previous rank of the ring: after k shifts rank i holds rank (i + k) % t's."""
+    return jax.lax.ppermute(x, axis, [(j, (j - 1) % degree) for j in range(degree)])
+
+
+def _block(x: jax.Array, index: jax.Array, size: int) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=SEQUENCE_DIM)
+
+
+def ring_blocks(x: jax.Array, axis: str, degree: int) -> Blocks:
+    """Every rank's sequence block of `x`, this rank's first, the others as they arrive round the ring."""
+    blocks = [x]
+    for _ in range(1, degree):
+        blocks.append(_shift(blocks[-1], axis, degree))
+    return blocks
+
+
+def _after(x: jax.Array, other: jax.Array) -> jax.Array:
+    """`x`, available only once `other` is: keeps XLA from merging a ring's block products into one
+    (they share the kernel), which would leave no product to run beside the next transfer."""
+    return jax.lax.optimization_barrier((x, other))[0]
+
+
+def gather_matmul(blocks: Blocks, kernel: jax.Array, matmul: Matmul, axis: str, degree: int) -> jax.Array:
+    """`matmul(x_whole, kernel)` from the ring's blocks of x: each block's product put in its place.
+    Backward, each block's input gradient is computed after the next block's, whose sum over the
+    kernels the transposed ring is then passing on."""
+    def indices() -> list[jax.Array]:  # each rank's, traced where used (a custom_vjp closes over none)
+        rank = jax.lax.axis_index(axis)
+        return [(rank + step) % degree for step in range(degree)]
+
+    def place(products: list[jax.Array]) -> jax.Array:
+        shape = list(products[0].shape)
+        shape[SEQUENCE_DIM] *= degree
+        out = jax.lax.full_like(products[0], 0, shape=tuple(shape))
+        for index, y in zip(indices(), products, strict=True):
+            start = index * y.shape[SEQUENCE_DIM]
+            out = jax.lax.dynamic_update_slice_in_dim(out, y, start, axis=SEQUENCE_DIM)
+        return out
+
+    @jax.custom_vjp
+    def ring(arrays: list[jax.Array], kernel: jax.Array) -> jax.Array:
+        return place([matmul(block, kernel) for block in arrays])
+
+    def backward(saved, ct):  # type: ignore[no-untyped-def]
+        arrays, kernel = saved
+        size, index = arrays[0].shape[SEQUENCE_DIM], indices()
+        grads: list[jax.Array] = [None] * degree  # type: ignore[list-item]
+        dk = jax.lax.full_like(kernel, 0)
+        for step in reversed(range(degree)):
+            ct_block = jax.lax.dynamic_slice_in_dim(ct, index[step] * size, size, axis=SEQUENCE_DIM)
+            if step < degree - 1:
+                ct_block = _after(ct_block, grads[step + 1])
+            _, pull = jax.vjp(matmul, arrays[step], kernel)
+            grads[step], dk_step = pull(ct_block)
+            dk = dk + dk_step
+        return grads, dk
+
+    ring.defvjp(lambda arrays, kernel: (ring(arrays, kernel), (arrays, kernel)), backward)
+    return ring(blocks, kernel)
+
+
+def matmul_scatter(x: jax.Array, kernel: jax.Array, matmul: Matmul, axis: str, degree: int) -> jax.Array:
+    """This rank's sequence block of `matmul(x, kernel)` summed over the group: at step k a rank adds its
+    partial product for block (rank + k + 1) % t to the running sum it received and passes it on."""
+    rank = jax.lax.axis_index(axis)
+    size = x.shape[SEQUENCE_DIM] // degree
+    total = matmul(_block(x, (rank + 1) % degree, size), kernel)
+    for step in range(1, degree):
+        block = _after(_block(x, (rank + step + 1) % degree, size), total)
+        total = _shift(total, axis, degree) + matmul(block, kernel)
+    return total
