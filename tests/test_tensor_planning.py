@@ -19,23 +19,24 @@ from amsp_jax.models.llama import Llama, LlamaConfig, llama_spec, make_loss_fn
 from amsp_jax.planner.request import PlanError, make_request, tensor_options
 from tests.helpers import CLUSTER, SEQ, TINY, batches, optimizer
 
-KV4 = dataclasses.replace(TINY, n_kv_heads=4)
+KV4_TIED = dataclasses.replace(TINY, n_kv_heads=4, tie_embeddings=True)
 
 
 @pytest.mark.parametrize(
-    ("config", "strategy", "sequence_parallel", "micro_batches", "remat", "precision"),
+    ("config", "strategy", "sequence_parallel", "matmul", "micro_batches", "remat", "precision"),
     [
-        (TINY, "t=2,zero3", True, 2, "full", "mixed"),
-        (dataclasses.replace(KV4, tie_embeddings=True), "t=4,p=1x2,g=1x2,os=1x2", False, 1, "none", "fp32"),
+        (TINY, "t=2,zero3", True, "ring", 2, "full", "mixed"),
+        (TINY, "t=2,p=1x1,g=2x2,os=2x2", True, "gather", 1, "dots", "mixed"),
+        (KV4_TIED, "t=4,p=1x2,g=1x2,os=1x2", False, "gather", 1, "none", "fp32"),
     ],
 )
 def test_the_planner_counts_the_tensor_collectives_the_step_traces(
-    config, strategy, sequence_parallel, micro_batches, remat, precision
+    config, strategy, sequence_parallel, matmul, micro_batches, remat, precision
 ):
     model = Llama(config)
     plan = aj.Plan(
         CLUSTER, aj.resolve(strategy, CLUSTER), micro_batches, precision=precision, remat=remat,
-        sequence_parallel=sequence_parallel,
+        sequence_parallel=sequence_parallel, tensor_matmul=matmul,
     )  # fmt: skip
     trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model))
     batch = batches(16, 1)[0]
@@ -46,7 +47,8 @@ def test_the_planner_counts_the_tensor_collectives_the_step_traces(
         llama_spec(config), "cpu-sim", seq_len=SEQ, global_batch=16, precision=precision, remat=remat,
         tensor_degrees=(plan.strategy.tensor,),
     )  # fmt: skip
-    (at,) = [r for r in tensor_options(request) if r.sequence_parallel == sequence_parallel]
+    form = (sequence_parallel, matmul)
+    (at,) = [r for r in tensor_options(request) if (r.sequence_parallel, r.tensor_matmul) == form]
     micro_batch_size = at.sequences_per_device() // micro_batches
     planned = at.workload(micro_batch_size, micro_batches, remat)
 

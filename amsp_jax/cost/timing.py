@@ -83,7 +83,7 @@ from amsp_jax.cost import memory_traffic
 from amsp_jax.cost.device_memory import Memory
 from amsp_jax.cost.hardware import PASS_BLOCKS, PASS_DEFAULTS, SPLIT_RESULTS, STORED_PARAMS, ClusterConfig
 from amsp_jax.cost.prediction import Prediction, predict
-from amsp_jax.cost.tensor_traffic import tensor_transfers
+from amsp_jax.cost.tensor_traffic import TENSOR_BACKWARD, TENSOR_FORWARD, tensor_transfers
 from amsp_jax.cost.traffic import Transfer, issued, largest_gather_bytes, leaf_ops
 from amsp_jax.cost.workload import FP32, Leaf, Workload
 
@@ -261,19 +261,34 @@ def compute_times(workload: Workload, cluster: ClusterConfig) -> Compute:
         forward_other=other,
         backward_other=2 * other,
         micro_batches=workload.micro_batches,
-        tensor=tensor_seconds(workload, cluster),
+        tensor=tensor_seconds(workload, cluster, layers),
     )
 
 
-def tensor_seconds(workload: Workload, cluster: ClusterConfig) -> float:
-    """Seconds of the step's tensor-parallel collectives (`cost.tensor_traffic`), each on the critical
-    path: in the `gather` form a matmul waits for its input's gather and the next layer for its
-    output's sum. The sum of the tensor-replicated leaves' gradients is priced at its largest (OS
-    unsplit) so that the term depends on the batching alone."""
+def tensor_seconds(workload: Workload, cluster: ClusterConfig, projections: float = 0.0) -> float:
+    """Seconds the step's tensor-parallel collectives (`cost.tensor_traffic`) add to its critical path.
+
+    In the `gather` form every one does: a matmul waits for its input's gather and the next layer for
+    its output's sum. In the `ring` form the t - 1 steps of a collective matmul each run beside one
+    sequence block's product (PrimePar's Σ max(compute, transfer)): a pass's permutes are hidden
+    behind (t - 1)/t of that pass's layer projections (`projections`: the forward's seconds; the
+    backward runs twice as many), less the interference overlap costs (`exposed`). The sum of the
+    tensor-replicated leaves' gradients is priced at its largest (OS unsplit), so that the term
+    depends on the batching alone.
+    """
     if workload.tensor == 1 or not workload.boundaries:
         return 0.0
     axes = plan_axes(cluster.cluster(), Strategy(Placement(), Placement(), Placement(), workload.tensor))
-    return sum(transfer_time(t, cluster) for t in tensor_transfers(axes, workload))
+    serial, ring = 0.0, {TENSOR_FORWARD: 0.0, TENSOR_BACKWARD: 0.0}
+    for t in tensor_transfers(axes, workload):
+        if t.kind == COLLECTIVE_PERMUTE:
+            ring[t.phase] += transfer_time(t, cluster)
+        else:
+            serial += transfer_time(t, cluster)
+    hidden = (workload.tensor - 1) / workload.tensor * projections
+    interference = cluster.overlap_interference if cluster.overlap_enabled else 1.0
+    beside = {TENSOR_FORWARD: hidden, TENSOR_BACKWARD: 2 * hidden} if cluster.overlap_enabled else {}
+    return serial + sum(exposed(s, beside.get(phase, 0.0), interference) for phase, s in ring.items())
 
 
 def optimizer_time(memory: Memory, param_bytes: int, cluster: ClusterConfig) -> float:

@@ -42,8 +42,9 @@ class ModelSpec:
     # Muon's `muon_weight_dimension_numbers` for these parameters; None: optax's rule (every 2-D leaf).
     muon_dimensions: Callable[[Any], Any] | None = None
     # The tensor-parallel boundaries one micro-batch's forward crosses (`layers.tensor.Boundary`), given
-    # (micro-batch size, sequence length, bytes per activation element); None: t > 1 is not planned.
-    boundaries: Callable[[int, int, int], tuple[Boundary, ...]] | None = None
+    # (micro-batch size, sequence length, bytes per activation element, matmul form); None: t > 1 is
+    # not planned.
+    boundaries: Callable[[int, int, int, str], tuple[Boundary, ...]] | None = None
 
     def num_params(self) -> int:
         """Parameters of the traced model."""
@@ -63,6 +64,7 @@ class ModelSpec:
         remat: str,
         tensor: int = 1,
         sequence_parallel: bool = True,
+        tensor_matmul: str = "gather",
     ) -> Workload:
         """The cost model's workload for one choice of batching, precision, remat and tensor degree."""
         w = Workload(self.leaves, self.dims, seq_len, micro_batch_size, micro_batches, precision, remat)
@@ -70,8 +72,10 @@ class ModelSpec:
             return w
         if self.boundaries is None:
             raise ValueError(f"{self.name} does not describe its tensor-parallel boundaries; plan it at t=1")
-        found = self.boundaries(micro_batch_size, seq_len, precision.param_bytes)
-        return w.with_(tensor=tensor, sequence_parallel=sequence_parallel, boundaries=found)
+        found = self.boundaries(micro_batch_size, seq_len, precision.param_bytes, tensor_matmul)
+        return w.with_(
+            tensor=tensor, sequence_parallel=sequence_parallel, tensor_matmul=tensor_matmul, boundaries=found
+        )
 
 
 def infer_dims(layers: Layers, leaves: tuple[Leaf, ...], vocab: int) -> ModelDims:

@@ -341,18 +341,19 @@ def _with_tensor_dim(leaf: Leaf) -> Leaf:
 
 
 def llama_boundaries(
-    config: LlamaConfig, micro_batch_size: int, seq_len: int, itemsize: int
+    config: LlamaConfig, micro_batch_size: int, seq_len: int, itemsize: int, matmul: str = "gather"
 ) -> tuple[tensor.Boundary, ...]:
     """The tensor-parallel boundaries one micro-batch's forward of this model crosses, in order: the
     vocabulary-split embedding's sum; per layer the attention's column input (queries, keys and values
     share it), its output projection's row output, the MLP's column input (gate and up) and its down
-    projection's row output; the head's column input and the vocabulary gather of the logits."""
+    projection's row output; the head's column input and the vocabulary gather of the logits. In the
+    `ring` form (`Plan.tensor_matmul`) the projections' boundaries are collective matmuls."""
     tokens = micro_batch_size * seq_len
     act, unit = tokens * config.dim, ("layers",)
-    layer = (tensor.COLUMN, tensor.ROW, tensor.COLUMN, tensor.ROW)
+    column, row = (tensor.COLUMN_RING, tensor.ROW_RING) if matmul == "ring" else (tensor.COLUMN, tensor.ROW)
     return (
         tensor.Boundary(tensor.ROW, act, itemsize),
-        *(tensor.Boundary(kind, act, itemsize, unit, 1) for kind in layer),
-        tensor.Boundary(tensor.COLUMN, act, itemsize),
+        *(tensor.Boundary(kind, act, itemsize, unit, 1) for kind in (column, row, column, row)),
+        tensor.Boundary(column, act, itemsize),
         tensor.Boundary(tensor.VOCAB, tokens * config.vocab_size, itemsize),
     )

@@ -33,6 +33,7 @@ class PricedPlan:
     solve_time_s: float | None = None
     implementation: Implementation = dataclasses.field(default_factory=Implementation)
     sequence_parallel: bool = True
+    tensor_matmul: str = "gather"
 
     def to_plan(self, cluster: Cluster, precision: Precision | str = "mixed") -> Plan:
         """The `Plan` that runs this row on `cluster` (a `Trainer` takes it as is)."""
@@ -40,7 +41,7 @@ class PricedPlan:
             cluster, self.strategy, self.micro_batches, precision=precision, remat=self.remat,
             hierarchical=self.implementation.hierarchical, prefetch=self.implementation.prefetch,
             keep_first_layer=self.implementation.keep_first_layer, memory_limit=self.memory_limit,
-            sequence_parallel=self.sequence_parallel,
+            sequence_parallel=self.sequence_parallel, tensor_matmul=self.tensor_matmul,
         )  # fmt: skip
 
     @property
@@ -136,7 +137,10 @@ def price(
         description = f"{strategy},hpz={Placement(request.cluster.devices_per_node, 1)}"
     else:
         estimate = timing.estimate(plan_axes(request.cluster.cluster(), strategy), workload, request.cluster)
-        description = str(strategy) + ("" if strategy.tensor == 1 or request.sequence_parallel else ",no-sp")
+        description = str(strategy)
+        if strategy.tensor > 1:
+            description += ",ring" if request.tensor_matmul == "ring" else ""
+            description += "" if request.sequence_parallel else ",no-sp"
     return PricedPlan(
         name,
         strategy,
@@ -150,6 +154,7 @@ def price(
         solve_time_s,
         request.implementation,
         request.sequence_parallel,
+        request.tensor_matmul,
     )
 
 

@@ -13,6 +13,7 @@ from amsp_jax.core.backend import selects_in_place
 from amsp_jax.core.plan import REMAT_POLICIES, Precision
 from amsp_jax.core.schedule import Implementation, uses_prefetch
 from amsp_jax.core.space import Cluster, Placement, Strategy
+from amsp_jax.core.tensor import MATMUL_FORMS
 from amsp_jax.cost import Workload, host_profile, looped_blocks
 from amsp_jax.cost import optimizer as optimizer_cost
 from amsp_jax.cost.hardware import ClusterConfig, for_cluster
@@ -44,6 +45,7 @@ class Request:
     # the search tries (None: every one the model and the node allow, `tensor_options`).
     tensor: int = 1
     sequence_parallel: bool = True
+    tensor_matmul: str = "gather"
     tensor_degrees: tuple[int, ...] | None = (1,)
 
     @property
@@ -100,7 +102,7 @@ class Request:
         """The cost model's workload for one choice of batching and remat on this cluster's hardware."""
         w = self.model.workload(
             self.seq_len, micro_batch_size, micro_batches, self.precision, remat, self.tensor,
-            self.sequence_parallel,
+            self.sequence_parallel, self.tensor_matmul,
         )  # fmt: skip
         return w.with_(
             min_collective_itemsize=self.cluster.collective_min_itemsize,
@@ -222,10 +224,10 @@ def tensor_problem(request: Request, tensor: int) -> str | None:
 
 
 def tensor_options(request: Request) -> list[Request]:
-    """`request` at every (tensor degree, sequence parallelism) the search tries: the degrees asked
-    for (`Request.tensor_degrees`; None: every divisor of the devices per node the model allows),
-    each with sequence parallelism on (where t divides the sequence) and off. PlanError where a
-    degree asked for by name cannot run."""
+    """`request` at every (tensor degree, sequence parallelism, matmul form) the search tries: the
+    degrees asked for (`Request.tensor_degrees`; None: every divisor of the devices per node the model
+    allows), each with sequence parallelism on (where t divides the sequence; in the `gather` and the
+    `ring` form) and off (`gather`). PlanError where a degree asked for by name cannot run."""
     named = request.tensor_degrees is not None
     r = request.cluster.devices_per_node
     degrees = request.tensor_degrees or tuple(t for t in range(1, r + 1) if r % t == 0)
@@ -236,8 +238,14 @@ def tensor_options(request: Request) -> list[Request]:
             if named:
                 raise PlanError(f"cannot plan tensor degree {t}: {problem}")
             continue
-        sp = (True,) if t == 1 else tuple(on for on in (True, False) if not on or request.seq_len % t == 0)
-        found += [dataclasses.replace(request, tensor=t, sequence_parallel=on) for on in sp]
+        forms = [(True, "gather")]
+        if t > 1:
+            forms = [(True, form) for form in MATMUL_FORMS] if request.seq_len % t == 0 else []
+            forms.append((False, "gather"))
+        found += [
+            dataclasses.replace(request, tensor=t, sequence_parallel=on, tensor_matmul=form)
+            for on, form in forms
+        ]
     return found
 
 
