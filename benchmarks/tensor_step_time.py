@@ -3,7 +3,8 @@ with the same tensor sharding, in one run, with the planner's predicted order be
 
 For each t: the GSPMD peer (`benchmarks.peer_gspmd`: `jax.jit`, FSDP over the data axes and MaxText's
 `tensor` axis by the model's logical names, XLA inserting every collective) and amsp_jax's `t=T,zero3`
-with sequence parallelism on and off (at t = 1: zero3 alone). Every program is compiled and read by
+with sequence parallelism on (the `gather` and the `ring` matmul form) and off (at t = 1: zero3
+alone). Every program is compiled and read by
 the audit (collective bytes per device, compiled memory); the steps are then timed interleaved, each
 round starting one place later (`benchmarks.step_time.time_groups`), so that a slow spell of a shared
 machine hits every configuration alike. Each amsp_jax row is priced by the time model on this host's
@@ -93,6 +94,7 @@ def amsp_entry(config: Any, plan: aj.Plan, devices: list, batch: dict) -> Entry:
     placed = trainer.shard_batch(batch)
     compiled = trainer.compile(trainer.abstract_state(), abstract(placed))
     sp = "" if plan.strategy.tensor == 1 else ("-sp" if plan.sequence_parallel else "-no-sp")
+    sp += "-ring" if plan.strategy.tensor > 1 and plan.tensor_matmul == "ring" else ""
     measured = audit.measure(compiled, trainer.layout)
     return Entry(
         f"amsp-t{plan.strategy.tensor}{sp}", str(plan.strategy), compiled, measured,
@@ -107,8 +109,9 @@ def predicted_s(config: Any, plan: aj.Plan, hw: ClusterConfig, seq_len: int, glo
         remat=plan.remat, tensor_degrees=(plan.strategy.tensor,),
     )  # fmt: skip
     request = dataclasses.replace(
-        request, tensor=plan.strategy.tensor, sequence_parallel=plan.sequence_parallel
-    )
+        request, tensor=plan.strategy.tensor, sequence_parallel=plan.sequence_parallel,
+        tensor_matmul=plan.tensor_matmul,
+    )  # fmt: skip
     micro_batch_size = request.sequences_per_device() // plan.micro_batches
     return price(request, plan.strategy, micro_batch_size, plan.remat).estimate.time.step_s
 
@@ -140,10 +143,11 @@ def main() -> None:
     for t in map(int, args.tensor.split(",")):
         # The global batch is the same at every degree: a data-parallel rank runs t times the sequences.
         entries.append(peer_entry(config, cluster, devices, t, batch, args.micro_batches * t))
-        for sp in (True, False) if t > 1 else (True,):
+        forms = ((True, "gather"), (True, "ring"), (False, "gather")) if t > 1 else ((True, "gather"),)
+        for sp, form in forms:
             plan = aj.Plan(
                 cluster, aj.resolve(f"t={t},zero3" if t > 1 else "zero3", cluster), args.micro_batches * t,
-                precision="mixed", remat="full", sequence_parallel=sp,
+                precision="mixed", remat="full", sequence_parallel=sp, tensor_matmul=form,
             )  # fmt: skip
             entries.append(amsp_entry(config, plan, devices, batch))
             plans[entries[-1].name] = plan
