@@ -138,11 +138,16 @@ def test_frozen_parameters_train_like_optax_multi_transform_and_move_no_gradient
     )
     opt = optax.multi_transform({"trained": optimizer(), "frozen": optax.set_to_zero()}, labels)
     opt_state = opt.init(params)
-    expected = []
-    for batch in batches:
+
+    @jax.jit  # one compile of the step, not one per operation
+    def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt_state = opt.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    expected = []
+    for batch in batches:
+        params, opt_state, loss = step(params, opt_state, batch)
         expected.append(float(loss))
 
     plan = aj.Plan(CLUSTER, aj.resolve(strategy, CLUSTER), micro_batches, precision="fp32")
