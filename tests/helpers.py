@@ -59,7 +59,8 @@ def reference(
     (`loss_fn` default: the LLaMA's)."""
     loss_fn = loss_fn or make_loss_fn(model)
     device = jax.devices()[0]
-    params = jax.device_put(nn.meta.unbox(model.init(key, data[0]["inputs"]))["params"], device)
+    # Under jit: an eager init runs the model op by op, compiling each operation on its own.
+    params = jax.device_put(nn.meta.unbox(jax.jit(model.init)(key, data[0]["inputs"]))["params"], device)
     opt = optimizer()
     opt_state = opt.init(params)
 

@@ -54,7 +54,7 @@ def reference(style: str) -> tuple[list[float], dict]:
     batches = data()
     loss_fn = loss_of(model)
     device = jax.devices()[0]
-    params = nn.meta.unbox(model.init(jax.random.key(0), batches[0]["inputs"]))["params"]
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batches[0]["inputs"]))["params"]
     params = jax.device_put(params, device)
     opt = optimizer()
     opt_state = opt.init(params)
@@ -207,7 +207,7 @@ def test_wrapped_blocks_draw_the_same_dropout_masks(style):
     equal the model applied plainly: the block's own RNG streams and counters are used."""
     model = GPT(style, dropout=0.5)
     tokens = data()[0]["inputs"]
-    params = nn.meta.unbox(model.init(jax.random.key(0), tokens))["params"]
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), tokens))["params"]
     rngs = {"dropout": jax.random.key(7)}
 
     def plain(params):

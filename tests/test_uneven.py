@@ -91,7 +91,7 @@ def test_padded_step_equals_single_device_reference_and_audit_is_exact(
 
     # The first step's global norm is the unpadded gradient's (one-device jax.grad).
     loss_fn = make_loss_fn(model)
-    init = nn.meta.unbox(model.init(jax.random.key(0), data[0]["inputs"]))["params"]
+    init = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), data[0]["inputs"]))["params"]
     grads = jax.jit(jax.grad(loss_fn))(init, data[0])  # one compile, not one per operation
     np.testing.assert_allclose(norms[0], float(optax.tree.norm(grads)), rtol=1e-5)
 
