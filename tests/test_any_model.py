@@ -227,9 +227,11 @@ def test_wrapped_blocks_draw_the_same_dropout_masks(style):
         with layer_context(context), linen_blocks():
             return model.apply({"params": tree}, tokens, False, rngs=rngs).sum()
 
-    loss, grads = jax.value_and_grad(plain)(params)
+    # Both under jit: eagerly each operation of the forward and backward would compile on its own.
+    loss, grads = jax.jit(jax.value_and_grad(plain))(params)
     sinks = jax.tree.map(np.zeros_like, flat)
-    wrapped_loss, (shard_grads, sink_grads) = jax.value_and_grad(wrapped, argnums=(0, 1))(flat, sinks)
+    wrapped_grad = jax.jit(jax.value_and_grad(wrapped, argnums=(0, 1)))
+    wrapped_loss, (shard_grads, sink_grads) = wrapped_grad(flat, sinks)
     assert float(wrapped_loss) == pytest.approx(float(loss), rel=1e-6)
     routed = {p: (sink_grads if any(p[: len(b)] == b for b in blocks) else shard_grads)[p] for p in flat}
     # Other masks would change the gradients by O(1); summation order changes them by ~1e-6.
