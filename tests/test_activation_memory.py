@@ -21,7 +21,7 @@ def _residual_bytes(remat: str) -> tuple[int, int]:
     block = Block(config)
     x = jnp.zeros((1, SEQ, config.dim), jnp.bfloat16)
     cos, sin = rope_tables(SEQ, config.head_dim, config.rope_theta)
-    params = nn.meta.unbox(block.init(jax.random.key(0), x, cos, sin))
+    params = nn.meta.unbox(jax.jit(block.init)(jax.random.key(0), x, cos, sin))
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
 
     def loss(p: object, x: jax.Array) -> jax.Array:

@@ -54,7 +54,7 @@ def reference(style: str) -> tuple[list[float], dict]:
     batches = data()
     loss_fn = loss_of(model)
     device = jax.devices()[0]
-    params = nn.meta.unbox(model.init(jax.random.key(0), batches[0]["inputs"]))["params"]
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batches[0]["inputs"]))["params"]
     params = jax.device_put(params, device)
     opt = optimizer()
     opt_state = opt.init(params)
@@ -88,15 +88,25 @@ def assert_params_close(actual, expected, rtol=1e-5):
         assert error <= rtol * max(float(np.max(np.abs(e))), floor), (path, error)
 
 
-def train(model, batches, strategy, micro_batches, **trainer_args):
+@functools.cache
+def plan_trainer(style: str, strategy: str, micro_batches: int) -> aj.Trainer:
+    """The set-up trainer of a style's model under a plan; cached, so that the plan's training test and
+    its audit test share it and its one compiled step."""
+    model = model_zoo.model(style)
     plan = aj.Plan(CLUSTER, aj.resolve(strategy, CLUSTER), micro_batches=micro_batches, precision="fp32")
-    trainer = aj.Trainer(plan, model, optimizer(), loss_of(model), **trainer_args)
-    state = trainer.init(jax.random.key(0), batches[0]["inputs"])
+    trainer = aj.Trainer(plan, model, optimizer(), loss_of(model))
+    trainer.setup(jax.random.key(0), data()[0]["inputs"])
+    return trainer
+
+
+def train(trainer, batches):
+    # `trainer.init` would set the trainer up again and drop the step its audit test compiled.
+    state = jax.jit(trainer.init_fn, out_shardings=trainer.state_shardings())(jax.random.key(0))
     losses = []
     for batch in batches:
         state, metrics = trainer.step(state, batch)
         losses.append(float(metrics["loss"]))
-    return trainer, state, losses
+    return state, losses
 
 
 # zero3 for every style; two other placements with micro-batches, one on unstacked blocks (linen) and
@@ -107,10 +117,9 @@ STYLE_PLANS = [("zero3", 1, style) for style in STYLES] + [("p=2x1,g=4x1,os=4x2"
 @pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "micro_batches", "style"), STYLE_PLANS)
 def test_style_trains_like_the_single_device_reference(style, strategy, micro_batches):
-    model = model_zoo.model(style)
-    batches = data()
     expected_losses, expected_params = reference(style)
-    trainer, state, losses = train(model, batches, strategy, micro_batches)
+    trainer = plan_trainer(style, strategy, micro_batches)
+    state, losses = train(trainer, data())
     assert trainer.params_layout.blocks, "the blocks were not found"
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     assert_params_close(trainer.full_params(state), expected_params)
@@ -182,12 +191,8 @@ def test_whole_tree_gathering_keeps_every_block():
     [(style, "zero3", 1) for style in (*STYLES, "stack")] + [("nnx scan", "p=2x1,g=4x1,os=4x2", 3)],
 )
 def test_audit_bytes_are_exact(style, strategy, micro_batches):
-    model = model_zoo.model(style)
-    batch = data()[0]
-    plan = aj.Plan(CLUSTER, aj.resolve(strategy, CLUSTER), micro_batches=micro_batches, precision="fp32")
-    trainer = aj.Trainer(plan, model, optimizer(), loss_of(model))
-    trainer.setup(jax.random.key(0), batch["inputs"])
-    report = audit.audit_trainer(trainer, batch, DIMS)
+    # A plan of `STYLE_PLANS` is audited in the program its training test compiled.
+    report = audit.audit_trainer(plan_trainer(style, strategy, micro_batches), data()[0], DIMS)
     predicted, measured = report.predicted, report.measured
     assert report.bytes_match, (predicted.bytes_by_kind_and_level(), measured.bytes_by_kind_and_level())
     # Blocks, scans and stacks alike: the collectives the compiled program issues are those counted.
@@ -202,7 +207,7 @@ def test_wrapped_blocks_draw_the_same_dropout_masks(style):
     equal the model applied plainly: the block's own RNG streams and counters are used."""
     model = GPT(style, dropout=0.5)
     tokens = data()[0]["inputs"]
-    params = nn.meta.unbox(model.init(jax.random.key(0), tokens))["params"]
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), tokens))["params"]
     rngs = {"dropout": jax.random.key(7)}
 
     def plain(params):
@@ -222,9 +227,11 @@ def test_wrapped_blocks_draw_the_same_dropout_masks(style):
         with layer_context(context), linen_blocks():
             return model.apply({"params": tree}, tokens, False, rngs=rngs).sum()
 
-    loss, grads = jax.value_and_grad(plain)(params)
+    # Both under jit: eagerly each operation of the forward and backward would compile on its own.
+    loss, grads = jax.jit(jax.value_and_grad(plain))(params)
     sinks = jax.tree.map(np.zeros_like, flat)
-    wrapped_loss, (shard_grads, sink_grads) = jax.value_and_grad(wrapped, argnums=(0, 1))(flat, sinks)
+    wrapped_grad = jax.jit(jax.value_and_grad(wrapped, argnums=(0, 1)))
+    wrapped_loss, (shard_grads, sink_grads) = wrapped_grad(flat, sinks)
     assert float(wrapped_loss) == pytest.approx(float(loss), rel=1e-6)
     routed = {p: (sink_grads if any(p[: len(b)] == b for b in blocks) else shard_grads)[p] for p in flat}
     # Other masks would change the gradients by O(1); summation order changes them by ~1e-6.

@@ -56,7 +56,7 @@ def test_llama_with_blockwise_attention_equals_xla_loss_and_gradients():
     config = LlamaConfig(vocab_size=64, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=24)
     tokens = np.random.default_rng(0).integers(0, 64, (2, 25)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    params = nn.meta.unbox(Llama(config).init(jax.random.key(0), batch["inputs"]))["params"]
+    params = nn.meta.unbox(jax.jit(Llama(config).init)(jax.random.key(0), batch["inputs"]))["params"]
     results = {}
     for kind in ("xla", "blockwise"):
         model = Llama(dataclasses.replace(config, attention=kind, attention_block=8))

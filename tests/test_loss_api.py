@@ -42,7 +42,7 @@ def dropout_loss(model):
 def reference(model, batches, micro_batches):
     """Mean over (slice, micro-batch) of the loss and its gradient, each with its own key."""
     grad_fn = jax.jit(jax.value_and_grad(dropout_loss(model), has_aux=True))
-    params = nn.meta.unbox(model.init(jax.random.key(0), batches[0]["inputs"]))["params"]
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batches[0]["inputs"]))["params"]
     opt = optimizer()
     opt_state = opt.init(params)
     devices = CLUSTER.num_devices
@@ -131,18 +131,23 @@ def test_frozen_parameters_train_like_optax_multi_transform_and_move_no_gradient
     model, batches = Llama(TINY), train_data()
     loss_fn = make_loss_fn(model)
     # The reference: plain jax.grad on one device, frozen leaves given zero updates by optax itself.
-    params = nn.meta.unbox(model.init(jax.random.key(0), batches[0]["inputs"]))["params"]
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batches[0]["inputs"]))["params"]
     initial = jax.tree.map(np.asarray, params)
     labels = jax.tree_util.tree_map_with_path(
         lambda kp, _: "frozen" if _is_frozen(tuple(k.key for k in kp)) else "trained", params
     )
     opt = optax.multi_transform({"trained": optimizer(), "frozen": optax.set_to_zero()}, labels)
     opt_state = opt.init(params)
-    expected = []
-    for batch in batches:
+
+    @jax.jit  # one compile of the step, not one per operation
+    def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt_state = opt.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    expected = []
+    for batch in batches:
+        params, opt_state, loss = step(params, opt_state, batch)
         expected.append(float(loss))
 
     plan = aj.Plan(CLUSTER, aj.resolve(strategy, CLUSTER), micro_batches, precision="fp32")

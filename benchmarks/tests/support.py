@@ -37,7 +37,7 @@ def reference(model: Llama, data: list[dict[str, np.ndarray]], key: jax.Array) -
     """Plain `jax.grad` + the same optax chain on one device: losses of each step and final params."""
     loss_fn = make_loss_fn(model)
     device = jax.devices()[0]
-    params = jax.device_put(nn.meta.unbox(model.init(key, data[0]["inputs"]))["params"], device)
+    params = jax.device_put(nn.meta.unbox(jax.jit(model.init)(key, data[0]["inputs"]))["params"], device)
     opt = optimizer()
     opt_state = opt.init(params)
 
