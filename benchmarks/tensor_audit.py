@@ -11,6 +11,7 @@ and remat, then every (kind, level) with predicted and compiled bytes per device
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -40,15 +41,32 @@ CASES = [
 ]
 
 
+# 2,048 wide, four layers: the width the ring form's overlap claim is made at (`benchmarks.tensor_ring`).
+WIDE = LlamaConfig(
+    vocab_size=1024, dim=2048, n_layers=4, n_heads=16, n_kv_heads=16, ffn_dim=5632, max_seq_len=2048
+)
+
+
+def model_config(name: str) -> LlamaConfig:
+    """A shipped model by name, `<name> kv4` with a key/value head per rank at t = 4, or `wide`."""
+    if name == "wide":
+        return WIDE
+    config = LlamaConfig.from_yaml(find("models", name.split()[0], ModelConfigError))
+    return dataclasses.replace(config, n_kv_heads=4) if name.endswith("kv4") else config
+
+
 def run_case(
-    target: str | None, model_name: str, strategy: str, sp: bool, micro: int, remat: str, precision: str
-):
-    config = LlamaConfig.from_yaml(find("models", model_name, ModelConfigError))
+    target: str | None, model_name: str, strategy: str, sp: bool, micro: int, remat: str, precision: str,
+    form: str = "gather",
+):  # fmt: skip
+    """Set up the plan's Trainer (compiled for `target` GPUs, or on the CPU mesh) and audit its step."""
+    config = model_config(model_name)
     devices = gpu_target.topology(target, 2, 8) if target else None
     cluster = aj.Cluster.detect(devices) if devices else aj.Cluster(2, 4)
     plan = aj.Plan(
-        cluster, aj.resolve(strategy, cluster), micro, precision=precision, remat=remat, sequence_parallel=sp
-    )
+        cluster, aj.resolve(strategy, cluster), micro, precision=precision, remat=remat, sequence_parallel=sp,
+        tensor_matmul=form,
+    )  # fmt: skip
     model = Llama(config)
     trainer = aj.Trainer(plan, model, optax.adamw(1e-4), make_loss_fn(model), devices=devices)
     seq = config.max_seq_len
@@ -56,6 +74,20 @@ def run_case(
     data_devices = cluster.num_devices // plan.strategy.tensor
     tokens = jax.ShapeDtypeStruct((data_devices * micro, seq), jnp.int32)
     return plan, audit.audit_trainer(trainer, {"inputs": tokens, "targets": tokens}, cost.llama_dims(config))
+
+
+def byte_rows(report: audit.Report, where: str, model_name: str, name: str) -> list[str]:
+    """One table row per collective kind and level with bytes: predicted, compiled, whether equal."""
+    predicted = report.predicted.bytes_by_kind_and_level()
+    measured = report.measured.bytes_by_kind_and_level()
+    rows = []
+    for kind in sorted(set(predicted) | set(measured)):
+        for level in ("intra", "inter"):
+            p, m = predicted.get(kind, {}).get(level, 0), measured.get(kind, {}).get(level, 0)
+            if p or m:
+                cells = [where, model_name, name, kind, level, f"{p:,}", f"{m:,}", "yes" if p == m else "NO"]
+                rows.append("| " + " | ".join(cells) + " |")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,18 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         plan, report = run_case(*case)
         name = f"{plan.strategy}, {'SP' if plan.sequence_parallel else 'no SP'}, M={plan.micro_batches}, "
         name += f"remat {plan.remat}, {plan.precision.name}"
-        predicted, measured = (
-            report.predicted.bytes_by_kind_and_level(),
-            report.measured.bytes_by_kind_and_level(),
-        )
-        for kind in sorted(set(predicted) | set(measured)):
-            for level in ("intra", "inter"):
-                p, m = predicted.get(kind, {}).get(level, 0), measured.get(kind, {}).get(level, 0)
-                if p or m:
-                    where = target or "cpu 2x4"
-                    equal = "yes" if p == m else "NO"
-                    cells = [where, model_name, name, kind, level, f"{p:,}", f"{m:,}", equal]
-                    lines.append("| " + " | ".join(cells) + " |")
+        lines += byte_rows(report, target or "cpu 2x4", model_name, name)
         failures += not report.bytes_match
         print(
             f"{target or 'cpu'} {name}: {'bytes equal' if report.bytes_match else 'bytes differ'}", flush=True

@@ -12,28 +12,14 @@ the ring's bytes hidden behind a gemm in XLA's schedule, beside the gather form'
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax
-import jax.numpy as jnp
-import optax
-
-import amsp_jax as aj
-from amsp_jax import cost
-from amsp_jax.compiled import audit, gpu_target
-from amsp_jax.core.config_files import find
-from amsp_jax.models.llama import Llama, LlamaConfig, ModelConfigError, make_loss_fn
 from benchmarks import results_file
-
-# 2,048 wide, four layers: the width the overlap claim is made at.
-WIDE = LlamaConfig(
-    vocab_size=1024, dim=2048, n_layers=4, n_heads=16, n_kv_heads=16, ffn_dim=5632, max_seq_len=2048
-)
+from benchmarks.tensor_audit import byte_rows, run_case
 
 # (target or None for the CPU mesh, model, strategy, micro-batches, remat, precision, matmul form)
 CASES = [
@@ -45,25 +31,6 @@ CASES = [
     ("h100-sxm", "wide", "t=4,zero3", 1, "full", "mixed", "ring"),
     ("h100-sxm", "wide", "t=8,zero3", 1, "full", "mixed", "ring"),
 ]
-
-
-def run_case(target, model_name, strategy, micro, remat, precision, form):  # type: ignore[no-untyped-def]
-    config = WIDE
-    if model_name != "wide":  # "tiny kv4": the tiny model with a key/value head per rank at t = 4
-        config = LlamaConfig.from_yaml(find("models", model_name.split()[0], ModelConfigError))
-        config = dataclasses.replace(config, n_kv_heads=4) if model_name.endswith("kv4") else config
-    devices = gpu_target.topology(target, 2, 8) if target else None
-    cluster = aj.Cluster.detect(devices) if devices else aj.Cluster(2, 4)
-    plan = aj.Plan(
-        cluster, aj.resolve(strategy, cluster), micro, precision=precision, remat=remat, tensor_matmul=form
-    )
-    model = Llama(config)
-    trainer = aj.Trainer(plan, model, optax.adamw(1e-4), make_loss_fn(model), devices=devices)
-    seq = config.max_seq_len
-    trainer.setup(jax.random.key(0), jnp.zeros((1, seq), jnp.int32))
-    data_devices = cluster.num_devices // plan.strategy.tensor
-    tokens = jax.ShapeDtypeStruct((data_devices * micro, seq), jnp.int32)
-    return plan, audit.audit_trainer(trainer, {"inputs": tokens, "targets": tokens}, cost.llama_dims(config))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,20 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     ]
     failures = 0
     for case in CASES:
-        target, model_name = case[0], case[1]
-        plan, report = run_case(*case)
+        target, model_name, strategy, micro, remat, precision, form = case
+        plan, report = run_case(target, model_name, strategy, True, micro, remat, precision, form)
         name = f"{plan.strategy}, {plan.tensor_matmul}, M={plan.micro_batches}, remat {plan.remat}, "
         name += plan.precision.name
-        predicted, measured = (
-            report.predicted.bytes_by_kind_and_level(),
-            report.measured.bytes_by_kind_and_level(),
-        )
-        for kind in sorted(set(predicted) | set(measured)):
-            for level in ("intra", "inter"):
-                p, m = predicted.get(kind, {}).get(level, 0), measured.get(kind, {}).get(level, 0)
-                if p or m:
-                    cells = [target or "cpu 2x4", model_name, name, kind, level, f"{p:,}", f"{m:,}"]
-                    lines.append("| " + " | ".join(cells) + f" | {'yes' if p == m else 'NO'} |")
+        lines += byte_rows(report, target or "cpu 2x4", model_name, name)
+        measured = report.measured.bytes_by_kind_and_level()
         if target:
             for kind in sorted(measured):
                 hidden, total = report.measured.hidden_bytes(kind)
