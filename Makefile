@@ -1,22 +1,38 @@
-# The two set-up commands of the README: each makes .venv when missing, installs the project, and runs.
+# The two set-up commands of the README: each makes .venv when missing, installs what it needs, and runs.
 # `make test`: lint (ruff), type-check the core (mypy, configured in pyproject.toml), then the tests.
 # Tests run in two worker processes (pytest-xdist), an idle one taking tests queued for the other.
-PYTHON ?= python3
+
+# The Python: the first of python3.12, python3.13 on the PATH that runs (a pyenv shim of a version pyenv
+# has not selected exits non-zero), else pyenv's own 3.12 or 3.13 install, else python3, because the
+# current JAX (0.12) needs Python >= 3.12; `make test PYTHON=python3.11` picks one yourself. A .venv
+# made earlier keeps its Python: remove it to switch.
+PY_CANDIDATES := python3.12 python3.13 $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.1[23]*/bin/python3)
+PYTHON ?= $(firstword $(foreach p,$(PY_CANDIDATES),$(shell $(p) -c 'import sys; assert sys.version_info >= (3, 12); print("$(p)")' 2>/dev/null)) python3)
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# One stamp per set of extras: the demo needs only the project; the tests add the dev tools and the
+# `gpu-aot` extra (XLA's CUDA compiler and cuDNN, over 1 GB), which a CPU demo does not need.
+DEMO_STAMP := $(VENV)/.installed-demo
+TEST_STAMP := $(VENV)/.installed-test
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+
+$(DEMO_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(TEST_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev,gpu-aot]'
-	touch $(STAMP)
+	touch $@
 
 .PHONY: test demo
-test: $(STAMP)
+test: $(TEST_STAMP)
+	$(BIN)/python -c "import sys, jax, jaxlib; print('Python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__)"
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -n 2 --dist worksteal --durations=20
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/amsp-jax train --config configs/train/demo.yaml
