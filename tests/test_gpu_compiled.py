@@ -248,7 +248,14 @@ def test_overlap_audit_reads_the_layer_loops():
     in_loop = [(c, o) for c, _, o in looped_overlaps(r)]
     # Every layer's gather and gradient reduce-scatter of the looped layers is an async pair...
     assert {c.kind for c, _ in in_loop} == {"all-gather", "reduce-scatter"}
-    assert all(o.asynchronous for _, o in in_loop)
+    # jaxlib < 0.11: all of them; later XLAs (no analytical estimator, one collective in flight) leave
+    # some of this 32-token width-64 model's synchronous (16 of 40 on 0.12.0.1), named as exposed.
+    if tuple(jax.__version_info__[:2]) < (0, 11):
+        assert all(o.asynchronous for _, o in in_loop)
+    else:
+        synchronous = {c.name for c, o in in_loop if not o.asynchronous or o.is_sync}
+        assert len(synchronous) < len(in_loop) / 2
+        assert synchronous <= {e["name"] for e in r.measured.overlap_summary()["exposed"]}
     # ...and XLA hides some of them behind gemm fusions (the forward gathers, the reduce-scatters).
     assert any(o.hidden for c, o in in_loop if c.kind == "all-gather" and "transpose(" not in c.op_name)
     assert any(o.hidden for c, o in in_loop if c.kind == "reduce-scatter")
@@ -418,7 +425,9 @@ def test_a_loop_of_blocks_issues_the_counted_collectives(style, strategy, micro_
     # A GPT written without LayerStack, its blocks gathered one at a time. Each block's gathers are one
     # collective (chained one block ahead, so XLA keeps the blocks apart), and its backward is
     # straight-line code, where XLA merges every block's gradient reduce-scatter with the other
-    # leaves' (this model's fit one): exactly as counted.
+    # leaves' (this model's fit one): as counted, but for the turn from forward to backward, where
+    # jaxlib 0.12 merges the last block's re-gather with the one before it (0.10.2 issues both), the
+    # merge `_check_bytes` allows the LayerStack step.
     cluster = Cluster.detect(devices("h100-sxm"))
     model = model_zoo.model(style)
     plan = Plan(cluster, preset(strategy, cluster), micro_batches, precision="mixed")
@@ -427,7 +436,7 @@ def test_a_loop_of_blocks_issues_the_counted_collectives(style, strategy, micro_
     tokens = jax.ShapeDtypeStruct((cluster.num_devices * micro_batches, model_zoo.SEQ), jnp.int32)
     r = audit.audit_trainer(trainer, {"inputs": tokens, "targets": tokens}, DIMS)
     assert r.bytes_match, r.table()
-    assert _nonzero(r.measured.launches_by_kind_and_level()) == _nonzero(r.predicted_launches())
+    _check_bytes(r, micro_batches)
     assert r.measured.launches_by_kind_and_level()["reduce-scatter"]["inter"] == micro_batches
 
 
