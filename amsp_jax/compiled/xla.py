@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from amsp_jax.compiled import hlo
-from amsp_jax.core.backend import combine_thresholds
+from amsp_jax.core.backend import ANALYTICAL_ESTIMATOR_BEFORE, combine_thresholds
 from amsp_jax.cost.hardware import ClusterConfig, for_device_kind
 
 if TYPE_CHECKING:
@@ -60,9 +60,6 @@ def scheduler_slop_factor(memory_limit: float, device_memory: int, io_bytes: int
     return max(1, int(100 * (budget - io_bytes) / room)) if room > 0 else 100
 
 
-# jaxlib < 0.11: XLA's analytical latency estimator prices the scheduler's choices; later jaxlibs abort
-# in it, so the scheduler gets a profile of instruction costs instead (`scheduling_profile`).
-ANALYTICAL_ESTIMATOR_BEFORE = (0, 11)
 # jaxlib < 0.11: the collective pipeliner has options of its own; later jaxlibs pipeline under effort O1.
 PIPELINER_OPTIONS_BEFORE = (0, 11)
 

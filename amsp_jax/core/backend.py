@@ -17,6 +17,14 @@ JAXLIB = metadata.version("jaxlib")
 # gathered layer would merge several layers' gradients into one collective that nothing can hide;
 # 32 MiB keeps them per layer (benchmarks/results/xla_overlap_a100-sxm-80x1024_20261126-2229.md).
 REDUCE_SCATTER_COMBINE_BYTES = 32 * _MIB
+# jaxlib < 0.11: XLA's analytical latency estimator schedules a GPU step; later jaxlibs abort in it, so
+# the step is scheduled with a profile of its instruction costs (`compiled.xla.compile_scheduled`).
+ANALYTICAL_ESTIMATOR_BEFORE = (0, 11)
+
+
+def _version(jaxlib: str | None) -> tuple[int, ...]:
+    """(major, minor) of `jaxlib`, the installed one (`JAXLIB`) by default."""
+    return tuple(int(part) for part in (jaxlib or JAXLIB).split(".")[:2] if part.isdigit())
 
 
 def combine_thresholds(platform: str, layer_bytes: int = 0) -> dict[str, float]:
@@ -55,8 +63,19 @@ def widens_16bit_dots(platform: str, jaxlib: str | None = None) -> bool:
     in bf16 (the same mixed-precision steps compile to 0.53-0.87x the memory of 0.10.2's, fp32 steps
     unchanged: benchmarks/results/memory_matrix_cpu8_*); a GPU always runs them in 16 bit.
     """
-    version = tuple(int(part) for part in (jaxlib or JAXLIB).split(".")[:2] if part.isdigit())
-    return platform == "cpu" and version < (0, 11)
+    return platform == "cpu" and _version(jaxlib) < (0, 11)
+
+
+def keeps_logits_gradient(platform: str, jaxlib: str | None = None) -> bool:
+    """Whether the logits' gradient stays live through the layers' backward.
+
+    XLA:GPU scheduled by its analytical estimator (jaxlib < 0.11) computes the head's weight gradient
+    after the layers and keeps the logits' gradient for it. Scheduled with the step's profile
+    (`ANALYTICAL_ESTIMATOR_BEFORE`) it computes that gradient before the layer loop and frees the
+    logits' gradient there, as XLA:CPU's schedule does on every version
+    (benchmarks/results/memory_logits_gradient_h100-sxmx16-compiled_20261128-0157.md).
+    """
+    return platform != "cpu" and _version(jaxlib) < ANALYTICAL_ESTIMATOR_BEFORE
 
 
 def drops_unused_collective(platform: str, kind: str) -> bool:

@@ -188,12 +188,9 @@ def attention_kind(workload: Workload) -> str:
 
 
 def keeps_logits_gradient(workload: Workload) -> bool:
-    """Whether the logits' gradient stays live through the layers' backward.
-
-    XLA:GPU computes the head's weight gradient after the layers and keeps the logits' gradient for
-    it; XLA:CPU's schedule frees it before the layer loop (no logits-sized buffer is live there).
-    """
-    return workload.platform != "cpu"
+    """Whether the logits' gradient stays live through the layers' backward
+    (`backend.keeps_logits_gradient`: XLA:GPU before jaxlib 0.11)."""
+    return backend.keeps_logits_gradient(workload.platform)
 
 
 def logits_bytes(workload: Workload, split: TensorSplit = WHOLE) -> tuple[int, int]:
