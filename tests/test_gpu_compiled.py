@@ -20,6 +20,7 @@ import pytest
 from amsp_jax import cost
 from amsp_jax.cli import main as cli_main
 from amsp_jax.compiled import audit, gpu_target, hlo, xla
+from amsp_jax.core import backend
 from amsp_jax.core.plan import Plan
 from amsp_jax.core.space import PRESETS, Cluster, Strategy, preset
 from amsp_jax.models import attention
@@ -306,8 +307,21 @@ def test_every_collective_in_the_layer_loops_has_compute_between_start_and_done(
     assert {c.kind for c, _, _ in looped} == {"all-gather", "reduce-scatter"} - (
         {"all-gather"} if strategy == "zero2" else set()
     )
-    for c, _, o in looped:
-        assert o.hidden, (c.name, c.op_name, o)
+    # The profile-scheduled program (jaxlib >= 0.11) makes a gather split over both nodes synchronous in
+    # its inter-node stage (1/8 of the gather's bytes), which the audit then names as exposed; with
+    # XLA's analytical estimator (0.10) every stage is hidden.
+    profiled = tuple(jax.__version_info__[:2]) >= backend.ANALYTICAL_ESTIMATOR_BEFORE
+    split_p = profiled and strategy == "p=8x2,g=8x1,os=8x2"
+    exposed = {e["name"] for e in r.measured.overlap_summary()["exposed"]}
+    not_hidden = [(c.name, level, o) for c, level, o in looped if not o.hidden]
+    if split_p:
+        assert not_hidden, "every stage hidden: the expectation for jaxlib >= 0.11 is out of date"
+        for name, level, o in not_hidden:
+            c = next(c for c, _, _ in looped if c.name == name)
+            assert c.kind == "all-gather" and level == "inter", (name, c.op_name, o)
+            assert (not o.asynchronous or o.is_sync) and name in exposed, (name, c.op_name, o)
+    else:
+        assert not not_hidden, not_hidden
 
 
 @needs_compiler
@@ -339,12 +353,22 @@ def test_with_micro_batches_a_kept_first_layer_leaves_no_looped_collective_expos
     r = report("h100-sxm", "zero3", LOOPED, DEEP, False, True)
     looped = looped_overlaps(r)
     assert {c.kind for c, _, _ in looped} == {"all-gather", "reduce-scatter"}
-    for c, _, o in looped:
-        assert o.hidden, (c.name, c.op_name, o)
+    not_hidden = [(c.name, c.kind, level, o) for c, level, o in looped if not o.hidden]
     summary = r.measured.overlap_summary()
-    assert summary["per_layer_hidden_fraction"] > 0.98
     exposed = {e["phase"] for e in summary["exposed"] if e["phase"].startswith("per-layer")}
-    assert exposed == {"per-layer first layer"}, summary["exposed"]
+    if tuple(jax.__version_info__[:2]) >= backend.ANALYTICAL_ESTIMATOR_BEFORE:
+        # The profile-scheduled program (jaxlib >= 0.11) runs the looped gradient reduce-scatter over
+        # both nodes as a synchronous collective (in the loop and in its double-buffered clone), which
+        # the audit names as exposed; every other looped collective stays hidden.
+        assert not_hidden, "every looped collective hidden: the expectation for jaxlib >= 0.11 is out of date"
+        for name, kind, level, o in not_hidden:
+            assert kind == "reduce-scatter" and level == "inter" and o.is_sync, (name, o)
+        assert summary["per_layer_hidden_fraction"] > 0.9
+        assert exposed == {"per-layer first layer", "per-layer backward"}, summary["exposed"]
+    else:
+        assert not not_hidden, not_hidden
+        assert summary["per_layer_hidden_fraction"] > 0.98
+        assert exposed == {"per-layer first layer"}, summary["exposed"]
     assert abs(r.memory_ratio - 1) <= 0.10, r.table()
     _check_bytes(r, LOOPED)
 
