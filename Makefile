@@ -2,12 +2,11 @@
 # `make test`: lint (ruff), type-check the core (mypy, configured in pyproject.toml), then the tests.
 # Tests run in two worker processes (pytest-xdist), an idle one taking tests queued for the other.
 
-# The Python: the first of python3.12, python3.13 on the PATH that runs (a pyenv shim of a version pyenv
-# has not selected exits non-zero), else pyenv's own 3.12 or 3.13 install, else python3, because the
-# current JAX (0.12) needs Python >= 3.12; `make test PYTHON=python3.11` picks one yourself. A .venv
-# made earlier keeps its Python: remove it to switch.
-PY_CANDIDATES := python3.12 python3.13 $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.1[23]*/bin/python3)
-PYTHON ?= $(firstword $(foreach p,$(PY_CANDIDATES),$(shell $(p) -c 'import sys; assert sys.version_info >= (3, 12); print("$(p)")' 2>/dev/null)) python3)
+# The Python: python3 (pip then installs the newest jax it takes: 0.10.2 on Python 3.11). The suite does
+# not yet pass on jax 0.12 within CI's time (docs/reference/compatibility.md); `make test
+# PYTHON=python3.12` in a fresh clone runs it there. A .venv made earlier keeps its Python: remove it
+# to switch.
+PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # One stamp per set of extras: the demo needs only the project; the tests add the dev tools and the
