@@ -37,7 +37,7 @@ from amsp_jax.cost.hardware import ClusterConfig
 from amsp_jax.cost.hardware import load as load_cluster
 from amsp_jax.models.llama import Llama, llama_spec, make_loss_fn
 from amsp_jax.planner.priced import price
-from amsp_jax.planner.request import make_request
+from amsp_jax.planner.request import make_request, tensor_problem
 from benchmarks import results_file
 from benchmarks.peer_gspmd import build_gspmd_step, make_mesh, measure_peer
 from benchmarks.step_time import (
@@ -140,7 +140,12 @@ def main() -> None:
     global_batch = cluster.num_devices * args.micro_batches
     batch = make_batch(config, global_batch, args.seq_len)
     entries, plans = [], {}
+    skipped = []
     for t in map(int, args.tensor.split(",")):
+        request = make_request(llama_spec(config), hw, seq_len=args.seq_len, global_batch=global_batch)
+        if problem := tensor_problem(request, t):
+            skipped.append(f"t={t}: {problem}")
+            continue
         # The global batch is the same at every degree: a data-parallel rank runs t times the sequences.
         entries.append(peer_entry(config, cluster, devices, t, batch, args.micro_batches * t))
         forms = ((True, "gather"), (True, "ring"), (False, "gather")) if t > 1 else ((True, "gather"),)
@@ -184,6 +189,7 @@ def main() -> None:
         f"batch everywhere (first losses agree to bf16 rounding). Predicted on {hw_source}. Load "
         f"average at the end {load:.1f}. {time.perf_counter() - started:.0f} s in all.\n\n"
         + "\n".join(lines) + "\n"
+        + "".join(f"\nNot run: {line}.\n" for line in skipped)
     )  # fmt: skip
     stem.with_suffix(".md").write_text(text)
     print(text)
