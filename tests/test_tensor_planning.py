@@ -16,7 +16,9 @@ from amsp_jax.core.mesh import plan_axes
 from amsp_jax.cost.tensor_traffic import tensor_transfers
 from amsp_jax.cost.trace import trace
 from amsp_jax.models.llama import Llama, LlamaConfig, llama_spec, make_loss_fn
+from amsp_jax.planner import search
 from amsp_jax.planner.request import PlanError, make_request, tensor_options
+from amsp_jax.planner.terms import build_terms
 from tests.helpers import CLUSTER, SEQ, TINY, batches, optimizer
 
 KV4_TIED = dataclasses.replace(TINY, n_kv_heads=4, tie_embeddings=True)
@@ -68,3 +70,16 @@ def test_a_tensor_degree_the_model_cannot_run_is_refused_by_name():
         tensor_options(request)
     searched = make_request(spec, "cpu-sim", seq_len=SEQ, global_batch=16)
     assert sorted({r.tensor for r in tensor_options(searched)}) == [1, 2]
+
+
+def test_the_ring_forms_terms_derived_from_the_gather_forms_equal_its_own():
+    # The search builds the ring form's terms from the gather form's (`search.ring_terms`): every term,
+    # the tensor collectives' time in each batching's compute included, must be what building them gives.
+    spec = llama_spec(dataclasses.replace(KV4_TIED, n_layers=3))
+    request = make_request(spec, "a800-8x-ib800", 2, seq_len=64, global_batch=32, tensor_degrees=(4,))
+    gather, ring = [r for r in tensor_options(request) if r.sequence_parallel]
+    assert (gather.tensor_matmul, ring.tensor_matmul) == ("gather", "ring")
+    derived, built = search.ring_terms(build_terms(gather), ring), build_terms(ring)
+    for field in dataclasses.fields(built):
+        assert getattr(derived, field.name) == getattr(built, field.name), field.name
+    assert derived.compute != build_terms(gather).compute  # the forms' tensor collectives differ in time

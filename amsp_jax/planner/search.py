@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from amsp_jax.core.plan import Plan, Precision
+from amsp_jax.core.schedule import Implementation
 from amsp_jax.core.space import Cluster, Strategy, resolve
 from amsp_jax.cost import ModelDims, timing
 from amsp_jax.cost.hardware import ClusterConfig
@@ -42,10 +43,24 @@ def _lower_bound(option: Request) -> float:
     )
 
 
-def solved_options(request: Request, terms: Terms | None = None, prune: bool = False) -> list[PricedPlan]:
+def ring_terms(gather: Terms, ring: Request) -> Terms:
+    """The terms of `ring` (the ring form) from those of the same request in the gather form with
+    sequence parallelism: the forms move the same activations and hold the same memory (the memory
+    model reads no form), so only the tensor collectives' time in each batching's compute differs."""
+    compute = {
+        (b, r): timing.compute_times(ring.workload(b, m, r), ring.cluster)
+        for (b, m), r in itertools.product(gather.batchings, gather.remats)
+    }
+    return dataclasses.replace(gather, request=ring, compute=compute)
+
+
+def solved_options(
+    request: Request, terms: Terms | None = None, prune: bool = False, built_for: Terms | None = None
+) -> list[PricedPlan]:
     """The ILP's choice for each option of the outer enumeration (`fastest`), priced by the full
     models; options where nothing fits are left out, and PlanError when that is all of them.
-    `prune`: skip an option whose compute alone (`_lower_bound`) is no faster than the best found."""
+    `prune`: skip an option whose compute alone (`_lower_bound`) is no faster than the best found.
+    `built_for`: terms already built for one of the options (its request), used for it."""
     start = time.perf_counter()
     options = [(request, terms)] if terms is not None else [
         (dataclasses.replace(at, implementation=i), None)
@@ -54,11 +69,20 @@ def solved_options(request: Request, terms: Terms | None = None, prune: bool = F
     ]  # fmt: skip
     found: list[PricedPlan] = []
     tried: list[Terms] = []
+    gather: dict[tuple[int, Implementation], Terms] = {}  # sequence-parallel gather form's, per (t, impl.)
     for option, given in options:
         fastest_yet = min((row.estimate.time.step_s for row in found), default=float("inf"))
         if prune and given is None and _lower_bound(option) >= fastest_yet:
             continue
-        built = given or build_terms(option)
+        key = (option.tensor, option.implementation)
+        if given is None and option.tensor_matmul == "ring" and key in gather:
+            built = ring_terms(gather[key], option)
+        elif given is None and built_for is not None and built_for.request == option:
+            built = built_for
+        else:
+            built = given or build_terms(option)
+        if option.sequence_parallel and option.tensor_matmul == "gather":
+            gather[key] = built
         tried.append(built)
         solution = solve(built)
         if solution is None:
@@ -146,7 +170,7 @@ def price_alternatives(request: Request, strategy: Strategy | str | None = None)
     terms = build_terms(flat)
     per_degree: dict[int, PricedPlan] = {}
     if strategy is None:
-        per_degree = _fastest_per_tensor_degree(solved_options(request))
+        per_degree = _fastest_per_tensor_degree(solved_options(request, built_for=terms))
         chosen = min(per_degree.values(), key=lambda row: row.estimate.time.step_s)
     else:
         if not isinstance(strategy, Strategy):
