@@ -377,7 +377,6 @@ def workload_of(trainer: Any, batch: Any, dims: cost.ModelDims) -> cost.Workload
         platform=platform,
         boundaries=boundaries,
         sequence_parallel=plan.sequence_parallel,
-        tensor_matmul=plan.tensor_matmul,
     )
 
 

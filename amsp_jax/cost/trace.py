@@ -74,7 +74,7 @@ class ModelSpec:
             raise ValueError(f"{self.name} does not describe its tensor-parallel boundaries; plan it at t=1")
         found = self.boundaries(micro_batch_size, seq_len, precision.param_bytes, tensor_matmul)
         return w.with_(
-            tensor=tensor, sequence_parallel=sequence_parallel, tensor_matmul=tensor_matmul, boundaries=found
+            tensor=tensor, sequence_parallel=sequence_parallel, boundaries=found
         )
 
 

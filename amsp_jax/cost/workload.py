@@ -61,14 +61,13 @@ class Workload:
     update_in_place: bool = True
     # The backend the step compiles for: which collectives XLA merges (`schedule.launches`).
     platform: str = "gpu"
-    # The tensor-parallel boundaries one forward pass crosses (`layers.tensor.Boundary`), and whether
-    # the activations between them are split along the sequence.
+    # The tensor-parallel boundaries one forward pass crosses (`layers.tensor.Boundary`; their kinds say
+    # the matmul form), and whether the activations between them are split along the sequence.
     boundaries: tuple[Boundary, ...] = ()
     sequence_parallel: bool = True
     # The tensor degree the step runs at: each device multiplies with its 1/t slice of every
     # tensor-split leaf, over all its group's tokens.
     tensor: int = 1
-    tensor_matmul: str = "gather"  # the matmul form (`Plan.tensor_matmul`); the boundaries say which ran
 
     def wire_bytes(self, itemsize: int) -> int:
         """Bytes per element on the wire for a tensor of `itemsize`."""
