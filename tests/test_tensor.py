@@ -67,7 +67,8 @@ def train(name: str, strategy: str, sequence_parallel: bool, micro_batches: int,
 
 # (model, strategy, sequence parallelism, micro-batches, matmul form): each style once, each placement
 # kind, t = 2 and t = 4 (one data-parallel rank per node), sequence parallelism on and off, M = 1 and 3,
-# both matmul forms (the ring's q/k/v share one ring in the LLaMA, run one each as linen modules). A
+# each matmul form (the ring's q/k/v share one ring in the LLaMA, run one each as linen modules; the
+# cannon form at t = 4, the 2 x 2 square, for each model style). A
 # LayerStack of linen blocks runs as the LLaMA's does; t = 4 without sequence parallelism, below,
 # compiled for H100s.
 CASES = [
@@ -78,6 +79,9 @@ CASES = [
     ("scan", "t=2,zero3", False, 3, "gather"),
     ("scan", "t=4,p=1x1,g=1x2,os=1x2", True, 3, "ring"),
     ("nnx", "t=2,zero3", True, 1, "gather"),
+    ("llama kv4", "t=4,zero3", True, 1, "cannon"),
+    ("scan", "t=4,p=1x2,g=1x2,os=1x2", True, 3, "cannon"),
+    ("nnx", "t=4,mics", True, 1, "cannon"),
 ]
 
 
@@ -97,7 +101,15 @@ def test_tensor_parallel_step_equals_single_device_reference(
     boundaries = [t for t in report.predicted.transfers if t.phase.startswith("tensor boundaries")]
     assert boundaries and all(t.level == "intra" for t in boundaries)
     permutes = report.measured.bytes_by_kind_and_level().get("collective-permute", {}).get("intra", 0)
-    assert bool(permutes) == (form == "ring")
+    assert bool(permutes) == (form != "gather")
+    if form == "cannon":  # inside the layers the square moves blocks between pairs of ranks, nothing else
+        measured = report.measured
+        in_layers = [
+            c.kind for c, level in zip(measured.collectives, measured.levels, strict=True)
+            if level == "intra" and measured.is_per_layer(c) and not c.scalar
+        ]  # fmt: skip
+        # (The nnx model's blocks are not a stack: the audit names no collective of it per-layer.)
+        assert set(in_layers) <= {"collective-permute"} and (bool(in_layers) or name == "nnx")
 
 
 def test_weights_are_held_as_tensor_slices_split_again_over_the_data_ranks():
@@ -137,11 +149,17 @@ def test_a_checkpoint_of_a_tensor_parallel_plan_restores_onto_four_devices_witho
 
 def test_a_matmul_form_is_checked_when_the_plan_is_made():
     strategy = aj.resolve("t=2,zero3", CLUSTER)
-    with pytest.raises(ValueError, match=re.escape("unknown tensor_matmul 'cannon'; use one of")):
-        aj.Plan(CLUSTER, strategy, tensor_matmul="cannon")
-    with pytest.raises(ValueError, match="needs sequence parallelism"):
-        aj.Plan(CLUSTER, strategy, sequence_parallel=False, tensor_matmul="ring")
+    with pytest.raises(ValueError, match=re.escape("unknown tensor_matmul 'systolic'; use one of")):
+        aj.Plan(CLUSTER, strategy, tensor_matmul="systolic")
+    for form in ("ring", "cannon"):
+        with pytest.raises(ValueError, match="needs sequence parallelism"):
+            aj.Plan(CLUSTER, aj.resolve("t=4,zero3", CLUSTER), sequence_parallel=False, tensor_matmul=form)
     assert aj.Plan(CLUSTER, strategy, tensor_matmul="ring").describe().endswith(", ring matmuls")
+    # The square is 2 x 2 inside a node; 4 x 4 would need 16 devices in one.
+    with pytest.raises(ValueError, match=r"needs t=4, not t=2 \(the next square, 4 x 4, needs 16 devices"):
+        aj.Plan(CLUSTER, strategy, tensor_matmul="cannon")
+    square = aj.Plan(CLUSTER, aj.resolve("t=4,zero3", CLUSTER), tensor_matmul="cannon")
+    assert square.describe().endswith(", cannon matmuls")
 
 
 def test_presets_take_a_tensor_degree():

@@ -30,6 +30,7 @@ KV4_TIED = dataclasses.replace(TINY, n_kv_heads=4, tie_embeddings=True)
         (TINY, "t=2,zero3", True, "ring", 2, "full", "mixed"),
         (TINY, "t=2,p=1x1,g=2x2,os=2x2", True, "gather", 1, "dots", "mixed"),
         (KV4_TIED, "t=4,p=1x2,g=1x2,os=1x2", False, "gather", 1, "none", "fp32"),
+        (KV4_TIED, "t=4,zero3", True, "cannon", 2, "full", "mixed"),
     ],
 )
 def test_the_planner_counts_the_tensor_collectives_the_step_traces(
@@ -72,14 +73,17 @@ def test_a_tensor_degree_the_model_cannot_run_is_refused_by_name():
     assert sorted({r.tensor for r in tensor_options(searched)}) == [1, 2]
 
 
-def test_the_ring_forms_terms_derived_from_the_gather_forms_equal_its_own():
-    # The search builds the ring form's terms from the gather form's (`search.ring_terms`): every term,
-    # the tensor collectives' time in each batching's compute included, must be what building them gives.
+@pytest.mark.parametrize("form", ["ring", "cannon"])
+def test_the_fused_forms_terms_derived_from_the_gather_forms_equal_their_own(form):
+    # The search builds the ring and cannon forms' terms from the gather form's (`search.fused_terms`):
+    # every term, the tensor transfers' time in each batching's compute included, must be what building
+    # them gives.
     spec = llama_spec(dataclasses.replace(KV4_TIED, n_layers=3))
     request = make_request(spec, "a800-8x-ib800", 2, seq_len=64, global_batch=32, tensor_degrees=(4,))
-    gather, ring = [r for r in tensor_options(request) if r.sequence_parallel]
-    assert (gather.tensor_matmul, ring.tensor_matmul) == ("gather", "ring")
-    derived, built = search.ring_terms(build_terms(gather), ring), build_terms(ring)
+    forms = {r.tensor_matmul: r for r in tensor_options(request) if r.sequence_parallel}
+    assert sorted(forms) == ["cannon", "gather", "ring"]
+    gather, fused = forms["gather"], forms[form]
+    derived, built = search.fused_terms(build_terms(gather), fused), build_terms(fused)
     for field in dataclasses.fields(built):
         assert getattr(derived, field.name) == getattr(built, field.name), field.name
-    assert derived.compute != build_terms(gather).compute  # the forms' tensor collectives differ in time
+    assert derived.compute != build_terms(gather).compute  # the forms' tensor transfers differ in time

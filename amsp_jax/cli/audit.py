@@ -13,6 +13,7 @@ import os
 import sys
 
 from amsp_jax.core.config_files import find, shipped
+from amsp_jax.core.tensor import MATMUL_FORMS
 
 
 class _GpuTarget(argparse.Action):
@@ -44,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with t > 1: whole activations on every tensor rank, row-parallel outputs all-reduced",
     )  # fmt: skip
     parser.add_argument(
-        "--tensor-matmul", choices=("gather", "ring"), default="gather",
-        help="with t > 1: the collective, then the matmul (gather), or collective matmuls (ring)",
+        "--tensor-matmul", choices=MATMUL_FORMS, default="gather",
+        help="with t > 1: the collective, then the matmul (gather), collective matmuls (ring), or "
+        "PrimePar's 2 x 2 square (cannon, t=4)",
     )  # fmt: skip
     parser.add_argument(
         "--strategy", default="zero3", help="preset name or p=AxB,g=AxB,os=AxB; t=N, first: tensor degree"

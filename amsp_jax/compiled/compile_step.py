@@ -45,7 +45,7 @@ def cache_key(batch: Any) -> tuple[str, tuple[Any, ...]]:
 def compile_step(program: StepProgram, state: Any, batch: Any) -> jax.stages.Compiled:
     """The compiled step for this state and batch structure, with the plan's XLA options."""
     layout = program.layout
-    ring = layout.tensor > 1 and program.plan.tensor_matmul == "ring"
+    ring = layout.tensor > 1 and program.plan.fused_matmul
     options = compiler_options(
         layout.platform, gather_bytes(program), _slop_factor(program, state, batch), layout.mesh.size, ring
     )

@@ -89,8 +89,8 @@ def gpu_options(
 ) -> dict[str, object]:
     """The GPU compiler options; the gather and all-reduce combine thresholds are at least one layer
     (`combine_thresholds`); `slop_factor` sets the scheduler's memory budget (`scheduler_slop_factor`).
-    `collective_matmul` (a `ring` plan): two collectives may be in flight at once, so that a ring's
-    transfers run beside the layer's weight gathers instead of waiting for them."""
+    `collective_matmul` (a `ring` or `cannon` plan): two collectives may be in flight at once, so that
+    a ring's (or a square's) transfers run beside the layer's weight gathers instead of waiting for them."""
     thresholds = combine_thresholds("gpu", layer_bytes)
     cache = os.environ.get(KERNEL_CACHE_ENV)
     budget = _memory_budget(slop_factor)

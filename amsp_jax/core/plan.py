@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from amsp_jax.core.schedule import Implementation
 from amsp_jax.core.space import Cluster, Strategy
-from amsp_jax.core.tensor import MATMUL_FORMS
+from amsp_jax.core.tensor import CANNON_DEGREE, MATMUL_FORMS
 
 REMAT_POLICIES = ("none", "dots", "full")
 
@@ -75,8 +75,15 @@ class Plan:
     sequence_parallel: bool = True
     # How a tensor-parallel matmul meets its collective: "gather" (the collective, then the matmul, or the
     # matmul, then the reduce-scatter) or "ring" (collective matmul: t - 1 ppermutes interleaved with
-    # block products, `amsp_jax.layers.tensor_ring`; needs sequence parallelism).
+    # block products, `amsp_jax.layers.tensor_ring`; needs sequence parallelism) or "cannon" (PrimePar's
+    # spatial-temporal matmul on a 2 x 2 group, t = 4: only point-to-point shifts inside the group,
+    # `amsp_jax.layers.tensor_cannon`; needs sequence parallelism).
     tensor_matmul: str = "gather"
+
+    @property
+    def fused_matmul(self) -> bool:
+        """Whether tensor-parallel matmuls run fused with their transfers (`ring` or `cannon`)."""
+        return self.tensor_matmul != "gather"
 
     @property
     def implementation(self) -> Implementation:
@@ -97,10 +104,16 @@ class Plan:
             raise ValueError(f"memory_limit is bytes per device, so positive; got {self.memory_limit}")
         if self.tensor_matmul not in MATMUL_FORMS:
             raise ValueError(f"unknown tensor_matmul {self.tensor_matmul!r}; use one of {MATMUL_FORMS}")
-        if self.tensor_matmul == "ring" and not self.sequence_parallel:
+        if self.tensor_matmul != "gather" and not self.sequence_parallel:
             raise ValueError(
-                'tensor_matmul="ring" passes sequence blocks round the tensor group, so it needs sequence '
-                'parallelism; drop sequence_parallel=False or use tensor_matmul="gather"'
+                f'tensor_matmul="{self.tensor_matmul}" passes sequence blocks round the tensor group, so it '
+                'needs sequence parallelism; drop sequence_parallel=False or use tensor_matmul="gather"'
+            )
+        if self.tensor_matmul == "cannon" and self.strategy.tensor not in (1, CANNON_DEGREE):
+            raise ValueError(
+                f'tensor_matmul="cannon" runs on a 2 x 2 square of devices, so it needs t={CANNON_DEGREE}, '
+                f"not t={self.strategy.tensor} (the next square, 4 x 4, needs 16 devices in a node); use "
+                'tensor_matmul="gather" or "ring" for this degree'
             )
         self.strategy.validate(self.cluster, self.allow_partial_nodes)
 
@@ -122,5 +135,5 @@ class Plan:
             f"{', no gathering ahead' if self.prefetch is False else ''}"
             f"{', first layer kept' if self.keep_first_layer and self.micro_batches > 1 else ''}"
             f"{'' if self.strategy.tensor == 1 or self.sequence_parallel else ', no sequence parallelism'}"
-            f"{', ring matmuls' if self.strategy.tensor > 1 and self.tensor_matmul == 'ring' else ''}"
+            f"{f', {self.tensor_matmul} matmuls' if self.strategy.tensor > 1 and self.fused_matmul else ''}"
         )

@@ -25,7 +25,8 @@ from amsp_jax.errors import AmspError
 
 TENSOR = "tensor"
 # How a tensor-parallel matmul meets its collective (`Plan.tensor_matmul`).
-MATMUL_FORMS = ("gather", "ring")
+MATMUL_FORMS = ("gather", "ring", "cannon")
+CANNON_DEGREE = 4  # the `cannon` form's 2 x 2 square (`layers.tensor_cannon`)
 Rules = tuple[tuple[str, str | None], ...]
 # MaxText's logical names on its `tensor` axis (its base config's `logical_axis_rules`).
 DEFAULT_TENSOR_RULES: Rules = (

@@ -11,12 +11,17 @@ Per boundary, with t devices in the tensor group and `whole` the elements of the
 | vocabulary gather | all-gather of whole/t, - (each rank keeps its slice) | the same |
 | column matmul (ring) | t - 1 collective-permutes of whole/t, the same | (needs sequence parallelism) |
 | row matmul (ring) | t - 1 collective-permutes of whole/t, the same | (needs sequence parallelism) |
+| matmul (cannon) | collective-permutes of blocks (`tensor_cannon.shifts`) | (needs sequence parallelism) |
 
 The ring form (`layers.tensor_ring`, `Plan(..., tensor_matmul="ring")`) passes one sequence block per
 step: forward the input's blocks (column) or the running sums (row), backward the input gradient's
 running sums (column) or the output gradient's blocks (row); the column form keeps the blocks it
 received, so its weight gradient needs no third ring. Projections of one input share its ring.
 A layer's last ring, recomputed under remat for a sum nothing reads, is dropped on every backend.
+The cannon form (t = 4, `layers.tensor_cannon`) moves each matmul's input, kernel and output between
+pairs of ranks, into and out of the 2 x 2 square (boundary phases) and on it (`SQUARE_FORWARD`,
+`SQUARE_BACKWARD`); a layer's last row matmul, recomputed under remat, drops only its exchange out.
+Outside the layers a kernel's own moves are hoisted out of the micro-batch loop, as its gather is.
 
 A layer's forward collectives run once more in its backward pass under remat (`dots` or `full`: a
 gathered or summed activation is not a matmul output, so it is recomputed, not saved); where the
@@ -49,10 +54,15 @@ from amsp_jax.core.schedule import (
 from amsp_jax.core.tensor import TENSOR
 from amsp_jax.cost.traffic import Transfer, issued, largest_gather_bytes
 from amsp_jax.cost.workload import Workload
-from amsp_jax.layers.tensor import COLUMN, COLUMN_RING, ROW, ROW_RING, VOCAB
+from amsp_jax.layers.tensor import COLUMN, COLUMN_CANNON, COLUMN_RING, ROW, ROW_CANNON, ROW_RING, VOCAB
+from amsp_jax.layers.tensor_cannon import SIDE, shifts
 
 TENSOR_FORWARD = "tensor boundaries (forward, remat)"
 TENSOR_BACKWARD = "tensor boundaries (backward)"
+# The cannon form's shifts on the square, each beside a block product (its exchanges into and out of
+# the square are boundaries).
+SQUARE_FORWARD = "tensor square shifts (forward, remat)"
+SQUARE_BACKWARD = "tensor square shifts (backward)"
 
 
 def tensor_ops(axes: AxisPlan, workload: Workload) -> list[Op]:
@@ -72,6 +82,22 @@ def tensor_ops(axes: AxisPlan, workload: Workload) -> list[Op]:
         layer_output = last[b.unit] == i and dropped
         forward = runs * (2 if b.unit is not None and workload.remat != "none" and not layer_output else 1)
         shard = b.elements // axes.tensor
+        if b.kind in (COLUMN_CANNON, ROW_CANNON):
+            column = b.kind == COLUMN_CANNON
+            moves = shifts(
+                column, b.elements, b.kernels, b.outputs, b.itemsize, b.kernel_itemsize, b.input_moved
+            )
+            out_runs = runs if b.kind == ROW_CANNON and last[b.unit] == i else forward
+            for phase, sizes, runs_in in (
+                (TENSOR_FORWARD, moves.into, forward), (SQUARE_FORWARD, moves.square, forward),
+                (TENSOR_FORWARD, moves.out, out_runs), (SQUARE_BACKWARD, moves.back_square, runs),
+                (TENSOR_BACKWARD, moves.back_exchanges, runs),
+            ):  # fmt: skip
+                for elements, itemsize, kernel_alone in sizes:
+                    # Outside the layers a kernel's own moves are the same for every micro-batch.
+                    once = kernel_alone and b.unit is None
+                    executions = runs_in // workload.micro_batches if once else runs_in
+                    ops.append(build.op(phase, COLLECTIVE_PERMUTE, group, 1, elements, itemsize, executions))
         if b.kind in (COLUMN_RING, ROW_RING):
             steps = axes.tensor - 1  # one block passed on per step of the ring, in each pass
             for phase, runs_in in ((TENSOR_FORWARD, forward), (TENSOR_BACKWARD, runs)):
@@ -99,3 +125,11 @@ def tensor_transfers(axes: AxisPlan, workload: Workload) -> list[Transfer]:
     """`tensor_ops` as per-step transfers, merged as the placements' are (`traffic.issued`)."""
     ops = [(1, op) for op in tensor_ops(axes, workload)]
     return issued(ops, workload, largest_gather_bytes(axes, workload)) if ops else []
+
+
+def shift_phases(workload: Workload) -> tuple[int, str, str]:
+    """(steps, forward phase, backward phase) of the permutes that run beside block products: the
+    ring's t steps over the boundaries' phases, or the square's two over its shifts' phases."""
+    if any(b.kind in (COLUMN_CANNON, ROW_CANNON) for b in workload.boundaries):
+        return SIDE, SQUARE_FORWARD, SQUARE_BACKWARD
+    return workload.tensor, TENSOR_FORWARD, TENSOR_BACKWARD

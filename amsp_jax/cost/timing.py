@@ -83,7 +83,7 @@ from amsp_jax.cost import memory_traffic
 from amsp_jax.cost.device_memory import Memory
 from amsp_jax.cost.hardware import PASS_BLOCKS, PASS_DEFAULTS, SPLIT_RESULTS, STORED_PARAMS, ClusterConfig
 from amsp_jax.cost.prediction import Prediction, predict
-from amsp_jax.cost.tensor_traffic import TENSOR_BACKWARD, TENSOR_FORWARD, tensor_transfers
+from amsp_jax.cost.tensor_traffic import shift_phases, tensor_transfers
 from amsp_jax.cost.traffic import Transfer, issued, largest_gather_bytes, leaf_ops
 from amsp_jax.cost.workload import FP32, Leaf, Workload
 
@@ -272,23 +272,25 @@ def tensor_seconds(workload: Workload, cluster: ClusterConfig, projections: floa
     its output's sum. In the `ring` form the t - 1 steps of a collective matmul each run beside one
     sequence block's product (PrimePar's Σ max(compute, transfer)): a pass's permutes are hidden
     behind (t - 1)/t of that pass's layer projections (`projections`: the forward's seconds; the
-    backward runs twice as many), less the interference overlap costs (`exposed`). The sum of the
-    tensor-replicated leaves' gradients is priced at its largest (OS unsplit), so that the term
+    backward runs twice as many), less the interference overlap costs (`exposed`). In the `cannon`
+    form the shifts on the square are, behind 1/2 (two steps); its exchanges in and out are not. The
+    sum of the tensor-replicated leaves' gradients is priced at its largest (OS unsplit), so that the term
     depends on the batching alone.
     """
     if workload.tensor == 1 or not workload.boundaries:
         return 0.0
     axes = plan_axes(cluster.cluster(), Strategy(Placement(), Placement(), Placement(), workload.tensor))
-    serial, ring = 0.0, {TENSOR_FORWARD: 0.0, TENSOR_BACKWARD: 0.0}
+    steps, forward, backward = shift_phases(workload)
+    serial, beside_products = 0.0, {forward: 0.0, backward: 0.0}
     for t in tensor_transfers(axes, workload):
-        if t.kind == COLLECTIVE_PERMUTE:
-            ring[t.phase] += transfer_time(t, cluster)
-        else:
+        if t.kind == COLLECTIVE_PERMUTE and t.phase in beside_products:
+            beside_products[t.phase] += transfer_time(t, cluster)
+        else:  # collectives, and the exchanges into and out of the square
             serial += transfer_time(t, cluster)
-    hidden = (workload.tensor - 1) / workload.tensor * projections
+    hidden = (steps - 1) / steps * projections
     interference = cluster.overlap_interference if cluster.overlap_enabled else 1.0
-    beside = {TENSOR_FORWARD: hidden, TENSOR_BACKWARD: 2 * hidden} if cluster.overlap_enabled else {}
-    return serial + sum(exposed(s, beside.get(phase, 0.0), interference) for phase, s in ring.items())
+    beside = {forward: hidden, backward: 2 * hidden} if cluster.overlap_enabled else {}
+    return serial + sum(exposed(s, beside.get(p, 0.0), interference) for p, s in beside_products.items())
 
 
 def optimizer_time(memory: Memory, param_bytes: int, cluster: ClusterConfig) -> float:

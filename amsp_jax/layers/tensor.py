@@ -29,13 +29,23 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import itertools
+import math
 from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 
-from amsp_jax.core.tensor import DEFAULT_TENSOR_RULES, TENSOR, Rules, TensorRuleError, tensor_dim
+from amsp_jax.core.tensor import (
+    CANNON_DEGREE,
+    DEFAULT_TENSOR_RULES,
+    TENSOR,
+    Rules,
+    TensorRuleError,
+    tensor_dim,
+)
+from amsp_jax.layers.tensor_cannon import column_cannon, row_cannon
 from amsp_jax.layers.tensor_ring import (
     SEQUENCE_DIM,
     Blocks,
@@ -61,6 +71,7 @@ _CONTEXT: contextvars.ContextVar[TensorContext | None] = contextvars.ContextVar(
 
 COLUMN, ROW, VOCAB = "column input", "row output", "vocabulary gather"
 COLUMN_RING, ROW_RING = "column matmul (ring)", "row matmul (ring)"
+COLUMN_CANNON, ROW_CANNON = "column matmul (cannon)", "row matmul (cannon)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +85,12 @@ class Boundary:
     itemsize: int
     unit: tuple | None = None
     trace: int = 0  # which trace of the unit's code recorded it (a scan may trace its body twice)
+    # The `cannon` form also moves kernels and outputs: each kernel's whole elements and their size in
+    # bytes, and each output's whole elements.
+    kernels: tuple[int, ...] = ()
+    kernel_itemsize: int = 0
+    outputs: tuple[int, ...] = ()
+    input_moved: bool = False  # another call of the trace moved the same input (`tensor_cannon.shifts`)
 
 
 _RECORDING: contextvars.ContextVar[list[Boundary] | None] = contextvars.ContextVar("boundaries", default=None)
@@ -102,14 +119,11 @@ def in_unit(unit: tuple) -> Iterator[None]:
         _UNIT.reset(token)
 
 
-def _record(kind: str, shape: tuple[int, ...], dtype: jnp.dtype) -> None:
+def _record(kind: str, shape: tuple[int, ...], dtype: jnp.dtype, **cannon: object) -> None:
     found = _RECORDING.get()
     if found is not None:
-        size = 1
-        for n in shape:
-            size *= n
         unit, trace = _UNIT.get() or (None, 0)
-        found.append(Boundary(kind, size, jnp.dtype(dtype).itemsize, unit, trace))
+        found.append(Boundary(kind, math.prod(shape), jnp.dtype(dtype).itemsize, unit, trace, **cannon))  # type: ignore[arg-type]
 
 
 # Per trace: each activation's column input, so projections of one input (query, key and value) share
@@ -256,6 +270,22 @@ def _ring(context: TensorContext | None, x: jax.Array) -> bool:
     return context is not None and context.matmul == "ring" and _sequence_parallel(context, x)
 
 
+def _cannon(context: TensorContext | None, x: jax.Array) -> bool:
+    """Whether a fused matmul runs on the 2 x 2 square here (the `cannon` form, t = 4)."""
+    if context is None or context.matmul != "cannon" or not _sequence_parallel(context, x):
+        return False
+    if context.degree != CANNON_DEGREE:
+        raise TensorRuleError(
+            f'the cannon form runs on a 2 x 2 square (t={CANNON_DEGREE}), not t={context.degree}; use '
+            'Plan(..., tensor_matmul="gather") or "ring"'
+        )
+    return True
+
+
+def _whole(shape: tuple[int, ...], degree: int) -> int:
+    return math.prod(shape) * degree
+
+
 def column_matmul(
     matmul: Matmul, x: jax.Array, *kernels: jax.Array, cast: Callable[[jax.Array], jax.Array] | None = None
 ) -> tuple[jax.Array, ...]:
@@ -267,6 +297,25 @@ def column_matmul(
     `cast` (e.g. a module's dtype promotion) is applied to x after the collective."""
     cast = cast if cast is not None else (lambda x: x)
     context = _CONTEXT.get()
+    if _cannon(context, x):
+        assert context is not None
+        x = cast(x)
+        outs = column_cannon(x, kernels, matmul, context.axis)
+        shape = list(x.shape)
+        # Projections of one input in separate calls (linen q, k, v) enter it into the square alike, and
+        # XLA keeps one of those identical exchanges and shifts: the first call counts them.
+        seen = _COLUMN_INPUTS.get()
+        moved = seen is not None and id(x) in seen and seen[id(x)][0] is x
+        if seen is not None and not moved:
+            seen[id(x)] = (x, x)
+        shape[SEQUENCE_DIM] *= context.degree
+        whole = functools.partial(_whole, degree=context.degree)
+        _record(
+            COLUMN_CANNON, tuple(shape), x.dtype, kernels=tuple(whole(k.shape) for k in kernels),
+            kernel_itemsize=kernels[0].dtype.itemsize, outputs=tuple(whole(o.shape) for o in outs),
+            input_moved=moved,
+        )  # fmt: skip
+        return outs
     if not _ring(context, x):
         whole = cast(column_input(x))
         return tuple(matmul(whole, kernel) for kernel in kernels)
@@ -291,6 +340,15 @@ def row_matmul(matmul: Matmul, x: jax.Array, kernel: jax.Array) -> jax.Array:
     matmul-reduce-scatter, each sequence block's partial product added to the running sum that travels
     round the group; else the matmul, then `row_output`."""
     context = _CONTEXT.get()
+    if _cannon(context, x):
+        assert context is not None
+        out = row_cannon(x, kernel, matmul, context.axis)
+        _record(
+            ROW_CANNON, (*x.shape[:-1], x.shape[-1] * context.degree), x.dtype,
+            kernels=(_whole(kernel.shape, context.degree),), kernel_itemsize=kernel.dtype.itemsize,
+            outputs=(_whole(out.shape, context.degree),),
+        )  # fmt: skip
+        return out
     if not _ring(context, x):
         return row_output(matmul(x, kernel))
     assert context is not None

@@ -347,13 +347,41 @@ def llama_boundaries(
     vocabulary-split embedding's sum; per layer the attention's column input (queries, keys and values
     share it), its output projection's row output, the MLP's column input (gate and up) and its down
     projection's row output; the head's column input and the vocabulary gather of the logits. In the
-    `ring` form (`Plan.tensor_matmul`) the projections' boundaries are collective matmuls."""
+    `ring` and `cannon` forms (`Plan.tensor_matmul`) the projections' boundaries are fused matmuls, the
+    cannon's with the kernels and outputs it also moves."""
     tokens = micro_batch_size * seq_len
     act, unit = tokens * config.dim, ("layers",)
+    if matmul == "cannon":
+        return _cannon_boundaries(config, tokens, itemsize)
     column, row = (tensor.COLUMN_RING, tensor.ROW_RING) if matmul == "ring" else (tensor.COLUMN, tensor.ROW)
     return (
         tensor.Boundary(tensor.ROW, act, itemsize),
         *(tensor.Boundary(kind, act, itemsize, unit, 1) for kind in (column, row, column, row)),
         tensor.Boundary(column, act, itemsize),
+        tensor.Boundary(tensor.VOCAB, tokens * config.vocab_size, itemsize),
+    )
+
+
+def _cannon_boundaries(config: LlamaConfig, tokens: int, itemsize: int) -> tuple[tensor.Boundary, ...]:
+    """`llama_boundaries` in the `cannon` form: each projection call with its kernels and outputs."""
+    shapes, act, unit = config.layer_shapes(), tokens * config.dim, ("layers",)
+
+    def matmul(kind: str, inputs: int, names: tuple[str, ...], where: tuple | None) -> tensor.Boundary:
+        kernels = tuple(math.prod(shapes.get(n, (config.dim, config.vocab_size))) for n in names)
+        outputs = tuple(tokens * (k // config.dim) if kind == tensor.COLUMN_CANNON else act for k in kernels)
+        return tensor.Boundary(
+            kind, inputs, itemsize, where, 1 if where else 0, kernels=kernels, kernel_itemsize=itemsize,
+            outputs=outputs,
+        )  # fmt: skip
+
+    column, row = tensor.COLUMN_CANNON, tensor.ROW_CANNON
+    heads = tokens * config.n_heads * config.head_dim
+    return (
+        tensor.Boundary(tensor.ROW, act, itemsize),
+        matmul(column, act, ("wq", "wk", "wv"), unit),
+        matmul(row, heads, ("wo",), unit),
+        matmul(column, act, ("w1", "w3"), unit),
+        matmul(row, tokens * config.ffn_dim, ("w2",), unit),
+        matmul(column, act, ("lm_head",), None),
         tensor.Boundary(tensor.VOCAB, tokens * config.vocab_size, itemsize),
     )

@@ -139,7 +139,7 @@ def price(
         estimate = timing.estimate(plan_axes(request.cluster.cluster(), strategy), workload, request.cluster)
         description = str(strategy)
         if strategy.tensor > 1:
-            description += ",ring" if request.tensor_matmul == "ring" else ""
+            description += "" if request.tensor_matmul == "gather" else f",{request.tensor_matmul}"
             description += "" if request.sequence_parallel else ",no-sp"
     return PricedPlan(
         name,

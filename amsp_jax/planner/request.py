@@ -13,7 +13,7 @@ from amsp_jax.core.backend import selects_in_place
 from amsp_jax.core.plan import REMAT_POLICIES, Precision
 from amsp_jax.core.schedule import Implementation, uses_prefetch
 from amsp_jax.core.space import Cluster, Placement, Strategy
-from amsp_jax.core.tensor import MATMUL_FORMS
+from amsp_jax.core.tensor import CANNON_DEGREE, MATMUL_FORMS
 from amsp_jax.cost import Workload, host_profile, looped_blocks
 from amsp_jax.cost import optimizer as optimizer_cost
 from amsp_jax.cost.hardware import ClusterConfig, for_cluster
@@ -227,7 +227,8 @@ def tensor_options(request: Request) -> list[Request]:
     """`request` at every (tensor degree, sequence parallelism, matmul form) the search tries: the
     degrees asked for (`Request.tensor_degrees`; None: every divisor of the devices per node the model
     allows), each with sequence parallelism on (where t divides the sequence; in the `gather` and the
-    `ring` form) and off (`gather`). PlanError where a degree asked for by name cannot run."""
+    `ring` form, and at t = 4 the `cannon` form) and off (`gather`). PlanError where a degree asked
+    for by name cannot run."""
     named = request.tensor_degrees is not None
     r = request.cluster.devices_per_node
     degrees = request.tensor_degrees or tuple(t for t in range(1, r + 1) if r % t == 0)
@@ -240,7 +241,8 @@ def tensor_options(request: Request) -> list[Request]:
             continue
         forms = [(True, "gather")]
         if t > 1:
-            forms = [(True, form) for form in MATMUL_FORMS] if request.seq_len % t == 0 else []
+            fused = [form for form in MATMUL_FORMS if form != "cannon" or t == CANNON_DEGREE]
+            forms = [(True, form) for form in fused] if request.seq_len % t == 0 else []
             forms.append((False, "gather"))
         found += [
             dataclasses.replace(request, tensor=t, sequence_parallel=on, tensor_matmul=form)

@@ -43,15 +43,16 @@ def _lower_bound(option: Request) -> float:
     )
 
 
-def ring_terms(gather: Terms, ring: Request) -> Terms:
-    """The terms of `ring` (the ring form) from those of the same request in the gather form with
-    sequence parallelism: the forms move the same activations and hold the same memory (the memory
-    model reads no form), so only the tensor collectives' time in each batching's compute differs."""
+def fused_terms(gather: Terms, fused: Request) -> Terms:
+    """The terms of `fused` (the ring or cannon form) from those of the same request in the gather
+    form with sequence parallelism: the memory model reads no form (the gather form's memory, which
+    holds each column input whole, bounds the others'), so only the tensor transfers' time in each
+    batching's compute differs."""
     compute = {
-        (b, r): timing.compute_times(ring.workload(b, m, r), ring.cluster)
+        (b, r): timing.compute_times(fused.workload(b, m, r), fused.cluster)
         for (b, m), r in itertools.product(gather.batchings, gather.remats)
     }
-    return dataclasses.replace(gather, request=ring, compute=compute)
+    return dataclasses.replace(gather, request=fused, compute=compute)
 
 
 def solved_options(
@@ -75,8 +76,8 @@ def solved_options(
         if prune and given is None and _lower_bound(option) >= fastest_yet:
             continue
         key = (option.tensor, option.implementation)
-        if given is None and option.tensor_matmul == "ring" and key in gather:
-            built = ring_terms(gather[key], option)
+        if given is None and option.tensor_matmul != "gather" and key in gather:
+            built = fused_terms(gather[key], option)
         elif given is None and built_for is not None and built_for.request == option:
             built = built_for
         else:
