@@ -83,3 +83,10 @@ def drops_unused_collective(platform: str, kind: str) -> bool:
     row-parallel sum, recomputed under remat for nothing): XLA:CPU removes any; XLA:GPU an all-reduce,
     not a reduce-scatter."""
     return platform == "cpu" or kind == "all-reduce"
+
+
+def hoists_loop_invariant_permutes(platform: str) -> bool:
+    """Whether XLA moves a collective-permute whose operand is the same in every micro-batch (a
+    kernel's block, outside the layers) out of the micro-batch loop: XLA:CPU does; XLA:GPU keeps it
+    in the loop."""
+    return platform == "cpu"

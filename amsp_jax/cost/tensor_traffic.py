@@ -21,7 +21,8 @@ A layer's last ring, recomputed under remat for a sum nothing reads, is dropped 
 The cannon form (t = 4, `layers.tensor_cannon`) moves each matmul's input, kernel and output between
 pairs of ranks, into and out of the 2 x 2 square (boundary phases) and on it (`SQUARE_FORWARD`,
 `SQUARE_BACKWARD`); a layer's last row matmul, recomputed under remat, drops only its exchange out.
-Outside the layers a kernel's own moves are hoisted out of the micro-batch loop, as its gather is.
+Outside the layers a kernel's own moves are hoisted out of the micro-batch loop on XLA:CPU
+(`backend.hoists_loop_invariant_permutes`).
 
 A layer's forward collectives run once more in its backward pass under remat (`dots` or `full`: a
 gathered or summed activation is not a matmul output, so it is recomputed, not saved); where the
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 import math
 
-from amsp_jax.core.backend import drops_unused_collective
+from amsp_jax.core.backend import drops_unused_collective, hoists_loop_invariant_permutes
 from amsp_jax.core.mesh import AxisPlan, leaf_layout
 from amsp_jax.core.schedule import (
     ALL_REDUCE,
@@ -73,6 +74,7 @@ def tensor_ops(axes: AxisPlan, workload: Workload) -> list[Op]:
     build = _Builder(axes, Implementation().hierarchical)
     group, sp = (TENSOR,), workload.sequence_parallel
     last = {b.unit: i for i, b in enumerate(workload.boundaries)}  # each unit's last boundary
+    hoisted = hoists_loop_invariant_permutes(workload.platform)
     ops: list[Op] = []
     sums = REDUCE_SCATTER if sp else ALL_REDUCE  # the gather form's row output
     for i, b in enumerate(workload.boundaries):
@@ -95,7 +97,7 @@ def tensor_ops(axes: AxisPlan, workload: Workload) -> list[Op]:
             ):  # fmt: skip
                 for elements, itemsize, kernel_alone in sizes:
                     # Outside the layers a kernel's own moves are the same for every micro-batch.
-                    once = kernel_alone and b.unit is None
+                    once = kernel_alone and b.unit is None and hoisted
                     executions = runs_in // workload.micro_batches if once else runs_in
                     ops.append(build.op(phase, COLLECTIVE_PERMUTE, group, 1, elements, itemsize, executions))
         if b.kind in (COLUMN_RING, ROW_RING):
