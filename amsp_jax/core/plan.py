@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from amsp_jax.core.schedule import Implementation
 from amsp_jax.core.space import Cluster, Strategy
 from amsp_jax.core.tensor import CANNON_DEGREE, MATMUL_FORMS
+from amsp_jax.errors import AmspError
 
 REMAT_POLICIES = ("none", "dots", "full")
 
@@ -28,7 +29,7 @@ class Precision:
             return cls("bfloat16", "bfloat16")
         if name == "fp32":
             return cls("float32", "float32")
-        raise ValueError(f"unknown precision {name!r}; use 'mixed' or 'fp32'")
+        raise AmspError(f"unknown precision {name!r}; use 'mixed' or 'fp32'")
 
     @property
     def param_bytes(self) -> int:
@@ -97,20 +98,20 @@ class Plan:
         if isinstance(self.strategy, str):
             object.__setattr__(self, "strategy", Strategy.parse(self.strategy))
         if self.micro_batches < 1:
-            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
+            raise AmspError(f"micro_batches must be >= 1, got {self.micro_batches}")
         if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"unknown remat policy {self.remat!r}; use one of {REMAT_POLICIES}")
+            raise AmspError(f"unknown remat policy {self.remat!r}; use one of {REMAT_POLICIES}")
         if self.memory_limit is not None and self.memory_limit <= 0:
-            raise ValueError(f"memory_limit is bytes per device, so positive; got {self.memory_limit}")
+            raise AmspError(f"memory_limit is bytes per device, so positive; got {self.memory_limit}")
         if self.tensor_matmul not in MATMUL_FORMS:
-            raise ValueError(f"unknown tensor_matmul {self.tensor_matmul!r}; use one of {MATMUL_FORMS}")
+            raise AmspError(f"unknown tensor_matmul {self.tensor_matmul!r}; use one of {MATMUL_FORMS}")
         if self.tensor_matmul != "gather" and not self.sequence_parallel:
-            raise ValueError(
+            raise AmspError(
                 f'tensor_matmul="{self.tensor_matmul}" passes sequence blocks round the tensor group, so it '
                 'needs sequence parallelism; drop sequence_parallel=False or use tensor_matmul="gather"'
             )
         if self.tensor_matmul == "cannon" and self.strategy.tensor not in (1, CANNON_DEGREE):
-            raise ValueError(
+            raise AmspError(
                 f'tensor_matmul="cannon" runs on a 2 x 2 square of devices, so it needs t={CANNON_DEGREE}, '
                 f"not t={self.strategy.tensor} (the next square, 4 x 4, needs 16 devices in a node); use "
                 'tensor_matmul="gather" or "ring" for this degree'
