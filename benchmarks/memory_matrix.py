@@ -84,13 +84,15 @@ class Case:
     precision: str
     strategy: str
     sequence_parallel: bool = True  # read only where the strategy has a tensor axis (`t=...`)
+    matmul: str = "gather"  # the tensor matmul form (`Plan.tensor_matmul`)
 
     @property
     def name(self) -> str:
         off = "-nosp" if not self.sequence_parallel and self.strategy.startswith("t=") else ""
+        form = f"-{self.matmul}" if self.matmul != "gather" else ""
         return (
             f"{self.model}-s{self.seq}-b{self.batch}-m{self.micro_batches}-{self.remat}-{self.precision}-"
-            f"{self.strategy}{off}"
+            f"{self.strategy}{off}{form}"
         )
 
 
@@ -102,7 +104,7 @@ def _trainer(
     strategy = case.strategy.replace("os=4x2", f"os={cluster.devices_per_node}x2")
     plan = Plan(
         cluster, resolve(strategy, cluster), case.micro_batches, precision=case.precision,
-        remat=case.remat, sequence_parallel=case.sequence_parallel,
+        remat=case.remat, sequence_parallel=case.sequence_parallel, tensor_matmul=case.matmul,
     )  # fmt: skip
     model = Llama(config)
     trainer = Trainer(plan, model, optax.adamw(1e-4), make_loss_fn(model), devices=devices)
@@ -154,7 +156,7 @@ def matrix() -> list[Case]:
 def tensor_matrix(gpu: bool) -> list[Case]:
     """Tensor-parallel steps: t = 2 and 4, sequence parallelism on and off, each remat policy and
     precision, the placement kinds and micro-batches; on the CPU mesh `w256` at 1,024-2,048 tokens, for
-    GPUs the widths of LLaMA-1B and 7B at 2,048 and 8,192."""
+    GPUs the widths of LLaMA-1B and 7B at 2,048 and 8,192, there also the ring and cannon matmul forms."""
     cases: list[Case] = []
     if not gpu:
         for i, (t, seq) in enumerate((t, s) for t in (2, 4) for s in (1024, 2048)):
@@ -176,6 +178,12 @@ def tensor_matrix(gpu: bool) -> list[Case]:
         for t, r, sp in ((2, "none", True), (4, "dots", False), (2, "dots", True), (4, "none", False))
     ]
     cases += [Case("1b-width", 2048, 1, 2, "full", "mixed", "t=2,mics", True)]
+    # The fused matmul forms at t = 4 (the cannon form's square), beside the gather form's cases above.
+    cases += [
+        Case(model, seq, 1, 1, remat, "mixed", "t=4,zero3", True, form)
+        for model, remats in (("1b-width", ("full", "none")), ("7b-width", ("full",)))
+        for seq in (2048, 8192) for remat in remats for form in ("ring", "cannon")
+    ]  # fmt: skip
     # The same shapes without a tensor axis, for reference.
     widths = ("1b-width", "7b-width")
     cases += [Case(m, s, 1, 1, "full", "mixed", "zero3") for m in widths for s in (2048, 8192)]

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "Per plan: the kinds of the layers' collectives inside a tensor group (count of compiled ops), the",
         "permutes' bytes with a gemm between start and done (compiled for H100s: XLA's schedule; the CPU",
-        "overlaps nothing), memory per device predicted (the gather form's model) and compiled.",
+        "overlaps nothing), memory per device predicted (with each form's own terms) and compiled.",
         "",
         "| target | plan | in the group | permutes hidden | memory predicted | compiled | ratio |",
         "|---|---|---|---:|---:|---:|---:|",

@@ -12,6 +12,8 @@ from amsp_jax.core import backend, schedule
 from amsp_jax.core.mesh import AxisPlan, LeafLayout
 from amsp_jax.cost.traffic import schedule_leaf
 from amsp_jax.cost.workload import FP32, Workload
+from amsp_jax.layers.tensor import COLUMN_CANNON, COLUMN_RING, ROW_CANNON, ROW_RING
+from amsp_jax.layers.tensor_cannon import DEGREE as CANNON_BLOCKS
 
 
 def _block_elements(axes: AxisPlan, leaf: LeafLayout, component: str) -> int:
@@ -129,11 +131,18 @@ class TensorSplit:
     and layer inputs between a row output and the next column input are whole without sequence
     parallelism and hold `1/degree` of the sequence with it. The input a column matmul reads is whole
     either way (all-gathered under sequence parallelism), and its weight gradient needs it, so a
-    layer keeps it whole; a row matmul's output is a whole partial sum before it is reduced.
+    layer keeps it whole (the cannon form keeps the last block it multiplied, `column_input`); a row
+    matmul's output is a whole partial sum before it is reduced.
     """
 
     degree: int = 1
     sequence_parallel: bool = False
+    column_parts: int = 1  # a column matmul keeps 1/column_parts of its whole input (`column_input`)
+
+    def column_input(self, size: int) -> int:
+        """What a layer keeps of a column matmul's whole input for the weight gradient: all of it, or
+        in the cannon form the last block it multiplied (half the sequence, half the contraction)."""
+        return size // self.column_parts
 
     def units(self, size: int) -> int:
         """One rank's part of a size split over heads, ffn units or the vocabulary."""
@@ -149,7 +158,11 @@ WHOLE = TensorSplit()
 
 def tensor_split(axes: AxisPlan, workload: Workload) -> TensorSplit:
     """The activations' split under `axes`' tensor degree and `workload`'s sequence parallelism."""
-    return TensorSplit(axes.tensor, axes.tensor > 1 and workload.sequence_parallel)
+    # Compiled for the CPU the cannon form's steps are within the gather form's bounds counting the
+    # whole inputs (`benchmarks.tensor_cannon`), so the gather form's count stands there.
+    cannon = matmul_form(workload) == "cannon" and workload.platform != "cpu"
+    parts = CANNON_BLOCKS if cannon else 1
+    return TensorSplit(axes.tensor, axes.tensor > 1 and workload.sequence_parallel, parts)
 
 
 def layer_gradients_held(workload: Workload, split: TensorSplit) -> int:
@@ -258,7 +271,8 @@ def _layer_activations(workload: Workload, act: int, attention: str, split: Tens
     # scan): per RMSNorm its fp32 input and normalised output and the activation-dtype result, the
     # attention's q, k, v and output, and six ffn-sized tensors (both projections, sigmoid, silu and
     # their product). Each norm's result is the whole input of the column matmuls after it.
-    full_layer = rows * 4 * FP32 * d.dim + act * tokens * (2 * d.dim + 2 * q + kv + 6 * ffn) + attention_bytes
+    columns = 2 * split.column_input(tokens * d.dim)
+    full_layer = rows * 4 * FP32 * d.dim + act * (columns + tokens * (2 * q + kv + 6 * ffn)) + attention_bytes
     kept = {
         "full": act * rows * d.dim,
         # Dot outputs the backward needs (q, k, v, the output projection: a whole partial sum under
@@ -301,6 +315,42 @@ def layer_backward(workload: Workload, split: TensorSplit = WHOLE) -> tuple[int,
     per_score = per_score if one_tile else max(per_score, 3 * FP32)  # the scores too
     ahead = scores * (FP32 + cast) if one_tile else 0
     return kept, max(layer + ahead, scores * per_score + around)
+
+
+def matmul_form(workload: Workload) -> str:
+    """The tensor matmul form (`Plan.tensor_matmul`) the workload's boundaries were crossed in."""
+    kinds = {b.kind for b in workload.boundaries}
+    if kinds & {COLUMN_RING, ROW_RING}:
+        return "ring"
+    return "cannon" if kinds & {COLUMN_CANNON, ROW_CANNON} else "gather"
+
+
+def fused_matmul_bytes(workload: Workload, split: TensorSplit) -> tuple[int, int]:
+    """(bytes at the loss's peak, bytes at the layers' backward's peak) that a fused matmul form holds
+    beyond the gather form's, per micro-batch and device, in a step compiled for a GPU.
+
+    From the buffers live at each peak of steps compiled for H100s (LLaMA-1B's and 7B's widths at t = 4,
+    beside the same steps in the gather form):
+      - the loss: the head's fused matmul and the recomputed last layer's exchanges are in flight beside
+        it, their blocks sent, received and joined: t whole-sequence activations of the layer's width,
+        and in the ring form a second head-sized vocabulary slice;
+      - the layers' backward: each ring step of the ffn's matmuls (`tensor_ring`) computes its own
+        weight gradient, and XLA computes all t before it sums them, beside the up-projections' running
+        sum; the cannon form's (`tensor_cannon`) up-projection backward holds four sets of their kernel
+        blocks: the gradients of both products, the blocks received from across the square and the
+        gradient blocks exchanged out of it.
+    XLA:CPU runs without them (its compiled steps are within the gather form's bounds).
+    """
+    form = matmul_form(workload)
+    if form == "gather" or workload.platform == "cpu":
+        return 0, 0
+    d, t, itemsize = workload.dims, split.degree, workload.precision.param_bytes
+    whole = workload.micro_batch_size * workload.seq_len * d.dim * itemsize
+    down = d.dim * split.units(d.ffn_dim) * itemsize  # one rank's slice of an ffn kernel
+    if form == "ring":
+        head = split.units(d.vocab_size) * d.dim * itemsize
+        return t * whole + head, (t - 1) * 3 * down + 2 * down
+    return t * whole, 4 * 2 * down
 
 
 def _leaf_sums(axes: AxisPlan, workload: Workload) -> Counter[str]:
@@ -359,6 +409,7 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
     layers = workload.dims.n_layers
     logits, kept_logits = logits_bytes(workload, split)
     saved = layers * kept
+    fused_loss, fused_backward = fused_matmul_bytes(workload, split)
     if workload.remat == "none":
         # The forward's scan keeps every layer's gathered weights as residuals, a copy even where P
         # is replicated.
@@ -378,7 +429,7 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
     peaks = {
         "loss": Peak(
             gathered=other_extra + s["fp32_copies"], grads=accumulation, p_with_os=transposed,
-            activations=saved + logits + first_layer,
+            activations=saved + logits + first_layer + fused_loss,
         ),
         "backward": Peak(
             gathered=(3 if prefetch else 1) * s["layer_extra"] + held_other + s["fp32_copies"],
@@ -386,14 +437,15 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
             p_with_os=transposed,
             activations=(
                 saved + kept_logits + layer_peak + layer_gradients_held(workload, split) * s["layer_grad"]
-                + first_layer
+                + first_layer + fused_backward
             ),
         ),
         "update": Peak(opt_state=0 if workload.update_in_place else trained_master),
         "refresh": Peak(grads=-grads, p_with_os=s["refresh"]),
     }  # fmt: skip
     from_master = params if schedule.params_from_master(axes.strategy) else 0
-    passes = _passes_block(workload, split)
+    # The memory passes are priced by the gather form's block (`amsp-jax profile` fitted them on it).
+    passes = _passes_block(workload, dataclasses.replace(split, column_parts=1))
     return Memory(params - from_master, grads, s["master"], opt_state, passes, peaks, from_master)
 
 
