@@ -20,7 +20,7 @@ from amsp_jax.cost.trace import ModelSpec, trace
 from amsp_jax.planner.ilp import solve
 from amsp_jax.planner.priced import PricedPlan, best_batching, nothing_fits, price, price_presets
 from amsp_jax.planner.request import PlanError, Request, implementations, make_request, tensor_options
-from amsp_jax.planner.terms import Terms, build_terms
+from amsp_jax.planner.terms import Terms, batching_terms, build_terms
 
 
 def fastest(request: Request, terms: Terms | None = None) -> PricedPlan:
@@ -45,14 +45,10 @@ def _lower_bound(option: Request) -> float:
 
 def fused_terms(gather: Terms, fused: Request) -> Terms:
     """The terms of `fused` (the ring or cannon form) from those of the same request in the gather
-    form with sequence parallelism: the memory model reads no form (the gather form's memory, which
-    holds each column input whole, bounds the others'), so only the tensor transfers' time in each
-    batching's compute differs."""
-    compute = {
-        (b, r): timing.compute_times(fused.workload(b, m, r), fused.cluster)
-        for (b, m), r in itertools.product(gather.batchings, gather.remats)
-    }
-    return dataclasses.replace(gather, request=fused, compute=compute)
+    form with sequence parallelism: the placements' terms are the same, so only the terms of each
+    batching (the tensor transfers' time in its compute, the activations' peaks) are built again."""
+    built: dict[str, Any] = batching_terms(fused, gather.remats)
+    return dataclasses.replace(gather, request=fused, **built)
 
 
 def solved_options(

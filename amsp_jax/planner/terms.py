@@ -335,7 +335,7 @@ def _pair_memory(request: Request, pairs: Iterable[PairKey]) -> dict[PairKey, di
     return found
 
 
-def _batching_terms(request: Request, remats: tuple[str, ...]) -> dict[str, dict]:
+def batching_terms(request: Request, remats: tuple[str, ...]) -> dict[str, dict]:
     """Compute, activations and the passes every plan runs, per (micro-batch size, remat), read off DDP."""
     cluster, hardware = request.cluster.cluster(), request.cluster
     one = Placement(1, 1)
@@ -387,6 +387,6 @@ def build_terms(request: Request) -> Terms:
         **communication,
         **_state_terms(request, profiles, base),
         pair_memory=_pair_memory(request, communication["refresh"]),
-        **_batching_terms(request, remats),
+        **batching_terms(request, remats),
         memory_limit=request.cluster.memory_limit,
     )
