@@ -23,7 +23,7 @@ pids=()
 for ((i = 0; i < processes; i++)); do
   log=/dev/stdout
   [[ $i -gt 0 ]] && log="$run_dir/process-$i.log"
-  XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \
+  XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=4" JAX_PLATFORMS=cpu \
     "$python" -m amsp_jax.cli train --config configs/train/demo.yaml --run-dir "$run_dir" \
     --coordinator "localhost:$port" --num-processes "$processes" --process-id "$i" "$@" >"$log" 2>&1 &
   pids+=($!)

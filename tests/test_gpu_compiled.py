@@ -153,11 +153,11 @@ def _nonzero(totals: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     return {kind: levels for kind, levels in totals.items() if any(levels.values())}
 
 
-# Plans whose compiled bytes equal the prediction per kind and level (bf16 on the wire: mixed precision).
-EXACT = [("h100-sxm", "zero3", 3), ("h100-sxm", "zero1", 3)]
-# With the plans of the memory test (which checks their bytes too) and `EXACT`: ddp, zero3 and mics at
-# M = 1 and 3, zero1 and zero2 at 3 (`hsdp` is `mics` of one node), and five placements that are none
-# of them.
+# XLA unrolls this small model's micro-batch loop entirely at M = 3 (and the layer loops in it); at 4 it
+# keeps a loop of two trips, whose layer loops the overlap audit reads.
+LOOPED = 4
+# With the memory test's plans (it checks their bytes too) and zero3 at M = LOOPED: ddp, zero3 and mics
+# at M = 1 and more, zero1 and zero2 at 3 (`hsdp` is `mics` of one node), and five other placements.
 SWEEP = [
     ("h100-sxm", "ddp", 3),
     ("h100-sxm", "zero2", 3),
@@ -184,15 +184,59 @@ def _check_bytes(r: audit.Report, micro_batches: int) -> None:
             assert 0 <= predicted[kind][level] - issued <= slack.get(kind, 0), (predicted, compiled)
 
 
-@needs_compiler
-@pytest.mark.parametrize(("target", "strategy", "micro_batches"), EXACT)
-def test_compiled_bytes_equal_predicted_per_kind_and_level(target, strategy, micro_batches):
-    r = report(target, strategy, micro_batches)
-    _check_bytes(r, micro_batches)
+def _check_gathered_once(r: audit.Report) -> None:
     # The leaves outside the layers are gathered once per step, whatever M: the step issues that gather
     # before the micro-batch loop (XLA's GPU pipeline does not hoist it out of the loop by itself).
     others = [c for c in r.measured.collectives if c.kind == "all-gather" and not r.measured.in_layer_loop(c)]
     assert others and all(c.trip_count == 1 for c in others)
+
+
+# The program the overlap audit reads (next, so that one xdist worker compiles it once), bf16 on the wire.
+@needs_compiler
+def test_compiled_bytes_equal_predicted_per_kind_and_level():
+    r = report("h100-sxm", "zero3", LOOPED)
+    _check_bytes(r, LOOPED)
+    _check_gathered_once(r)
+
+
+@needs_compiler
+def test_overlap_audit_reads_the_layer_loops():
+    r = report("h100-sxm", "zero3", LOOPED)
+    summary = r.measured.overlap_summary()
+    in_loop = [(c, o) for c, _, o in looped_overlaps(r)]
+    # Every layer's gather and gradient reduce-scatter of the looped layers is an async pair...
+    assert {c.kind for c, _ in in_loop} == {"all-gather", "reduce-scatter"}
+    # jaxlib < 0.11: all of them; the profile-scheduled program (one collective in flight) leaves fewer
+    # than half of this small model's synchronous, named exposed.
+    if tuple(jax.__version_info__[:2]) < (0, 11):
+        assert all(o.asynchronous for _, o in in_loop)
+    else:
+        synchronous = {c.name for c, o in in_loop if not o.asynchronous or o.is_sync}
+        assert len(synchronous) < len(in_loop) / 2
+        assert synchronous <= {e["name"] for e in r.measured.overlap_summary()["exposed"]}
+    # ...and XLA hides some of them behind gemm fusions (the forward gathers, the reduce-scatters).
+    assert any(o.hidden for c, o in in_loop if c.kind == "all-gather" and "transpose(" not in c.op_name)
+    assert any(o.hidden for c, o in in_loop if c.kind == "reduce-scatter")
+    # The backward's re-gather too (the checkpoint in the scan has no CSE barrier, which kept XLA's
+    # collective pipeliner from moving it into the previous iteration).
+    assert any(o.hidden for c, o in in_loop if c.kind == "all-gather" and "rematted_computation" in c.op_name)
+    assert 0 < summary["per_layer_hidden_bytes"] < summary["per_layer_bytes"]
+    assert set(summary["by_phase"]) >= {"per-layer forward", "per-layer backward"}
+    data = r.to_json()
+    assert data["overlap"]["per_layer_bytes"] == summary["per_layer_bytes"]
+    assert {"asynchronous", "is_sync", "compute_between", "hidden", "phase"} <= set(
+        data["measured"]["collectives"][0]
+    )
+    assert "per-layer bytes with compute to hide behind" in r.table()
+    # Each exposed collective's line says which link it crosses and how often it runs per step (XLA's
+    # pipeliner leaves some looped ones exposed at M = 4: see the kept-first-layer test).
+    lines = r.table().splitlines()
+    trips = {c.name: c.trip_count for c in r.measured.collectives}
+    assert any(e["executions"] > 1 for e in summary["exposed"])
+    for e in summary["exposed"]:
+        assert e["executions"] == trips[e["name"]]
+        line = next(line for line in lines if f"exposed {e['name']} " in line)
+        assert f" {e['level']} x{e['executions']} " in line, line
 
 
 @needs_compiler
@@ -235,51 +279,8 @@ def test_compiled_memory_within_ten_percent_and_bytes_equal(target, strategy, mi
     r = audit.audit_trainer(trainer, {"inputs": tokens, "targets": tokens}, cost.llama_dims(WIDE))
     assert abs(r.memory_ratio - 1) <= 0.10, r.table()
     _check_bytes(r, micro_batches)
-
-
-# XLA unrolls this small model's micro-batch loop entirely at M = 3 (and the layer loops in it); at 4 it
-# keeps a loop of two trips, whose layer loops the overlap audit reads.
-LOOPED = 4
-
-
-@needs_compiler
-def test_overlap_audit_reads_the_layer_loops():
-    r = report("h100-sxm", "zero3", LOOPED)
-    summary = r.measured.overlap_summary()
-    in_loop = [(c, o) for c, _, o in looped_overlaps(r)]
-    # Every layer's gather and gradient reduce-scatter of the looped layers is an async pair...
-    assert {c.kind for c, _ in in_loop} == {"all-gather", "reduce-scatter"}
-    # jaxlib < 0.11: all of them; the profile-scheduled program (one collective in flight) leaves fewer
-    # than half of this small model's synchronous, named exposed.
-    if tuple(jax.__version_info__[:2]) < (0, 11):
-        assert all(o.asynchronous for _, o in in_loop)
-    else:
-        synchronous = {c.name for c, o in in_loop if not o.asynchronous or o.is_sync}
-        assert len(synchronous) < len(in_loop) / 2
-        assert synchronous <= {e["name"] for e in r.measured.overlap_summary()["exposed"]}
-    # ...and XLA hides some of them behind gemm fusions (the forward gathers, the reduce-scatters).
-    assert any(o.hidden for c, o in in_loop if c.kind == "all-gather" and "transpose(" not in c.op_name)
-    assert any(o.hidden for c, o in in_loop if c.kind == "reduce-scatter")
-    # The backward's re-gather too (the checkpoint in the scan has no CSE barrier, which kept XLA's
-    # collective pipeliner from moving it into the previous iteration).
-    assert any(o.hidden for c, o in in_loop if c.kind == "all-gather" and "rematted_computation" in c.op_name)
-    assert 0 < summary["per_layer_hidden_bytes"] < summary["per_layer_bytes"]
-    assert set(summary["by_phase"]) >= {"per-layer forward", "per-layer backward"}
-    data = r.to_json()
-    assert data["overlap"]["per_layer_bytes"] == summary["per_layer_bytes"]
-    assert {"asynchronous", "is_sync", "compute_between", "hidden", "phase"} <= set(
-        data["measured"]["collectives"][0]
-    )
-    assert "per-layer bytes with compute to hide behind" in r.table()
-    # Each exposed collective's line says which link it crosses and how often it runs per step (XLA's
-    # pipeliner leaves some looped ones exposed at M = 4: see the kept-first-layer test).
-    lines = r.table().splitlines()
-    trips = {c.name: c.trip_count for c in r.measured.collectives}
-    assert any(e["executions"] > 1 for e in summary["exposed"])
-    for e in summary["exposed"]:
-        assert e["executions"] == trips[e["name"]]
-        line = next(line for line in lines if f"exposed {e['name']} " in line)
-        assert f" {e['level']} x{e['executions']} " in line, line
+    if micro_batches > 1:
+        _check_gathered_once(r)
 
 
 # Whether the step's GPU program is scheduled with a profile of its instructions (jaxlib >= 0.11).

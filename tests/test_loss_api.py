@@ -46,6 +46,12 @@ def reference(model, batches, micro_batches):
     opt = optimizer()
     opt_state = opt.init(params)
     devices = CLUSTER.num_devices
+
+    @jax.jit  # one compile of the update, not one per operation
+    def update(grads, opt_state, params):
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
     history = []
     for step, batch in enumerate(batches):
         size = batch["inputs"].shape[0] // (devices * micro_batches)
@@ -57,8 +63,7 @@ def reference(model, batches, micro_batches):
                 key = aj.rng_for(SEED, step, micro, shard)
                 results.append(grad_fn(params, chunk, key))
         (losses, metrics), grads = jax.tree.map(lambda *xs: sum(xs) / len(xs), *results)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = update(grads, opt_state, params)
         history.append((float(losses), float(metrics["accuracy"])))
     return history, jax.tree.map(np.asarray, params)
 
@@ -216,10 +221,17 @@ def test_batch_stats_are_carried_and_averaged_like_the_per_device_reference(
     ]
     # Reference on one device: every device runs its micro-batches in turn from the step's statistics;
     # the step's new statistics are the devices' mean, its gradient the mean over all micro-batches.
-    variables = model.init(jax.random.key(0), batches[0]["x"], True)
+    variables = jax.jit(model.init, static_argnums=2)(jax.random.key(0), batches[0]["x"], True)
     params, stats = variables["params"], {"batch_stats": variables["batch_stats"]}
     opt = optimizer()
     opt_state = opt.init(params)
+    grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))  # one compile, not one per operation
+
+    @jax.jit
+    def update(grads, opt_state, params):
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
     expected = []
     for batch in batches:
         size = batch["x"].shape[0] // (devices * micro_batches)
@@ -229,13 +241,12 @@ def test_batch_stats_are_carried_and_averaged_like_the_per_device_reference(
             for micro in range(micro_batches):
                 start = (shard * micro_batches + micro) * size
                 chunk = jax.tree.map(lambda x, start=start, size=size: x[start : start + size], batch)
-                (loss, own), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, chunk, own)
+                (loss, own), grads = grad_fn(params, chunk, own)
                 results.append((loss, grads))
             ends.append(own)
         loss, grads = jax.tree.map(lambda *xs: sum(xs) / len(xs), *results)
         stats = jax.tree.map(lambda *xs: sum(xs) / len(xs), *ends)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = update(grads, opt_state, params)
         expected.append(float(loss))
 
     plan = aj.Plan(CLUSTER, aj.resolve(strategy, CLUSTER), micro_batches, precision="fp32")

@@ -225,14 +225,19 @@ def test_model_without_layer_stack_gathers_the_whole_tree_and_matches():
     def loss_fn(params, batch):
         return jax.numpy.mean((model.apply({"params": params}, batch["x"]) - batch["y"]) ** 2)
 
-    params = model.init(jax.random.key(0), data[0]["x"])["params"]
+    params = jax.jit(model.init)(jax.random.key(0), data[0]["x"])["params"]
     opt = optimizer()
     opt_state = opt.init(params)
-    expected = []
-    for batch in data:
+
+    @jax.jit  # one compile of the reference step, not one per operation
+    def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt_state = opt.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    expected = []
+    for batch in data:
+        params, opt_state, loss = step(params, opt_state, batch)
         expected.append(float(loss))
 
     plan = aj.Plan(CLUSTER, aj.zero3(CLUSTER), micro_batches=2, precision="fp32")
