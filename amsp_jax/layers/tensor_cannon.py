@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from amsp_jax.core.tensor import TensorRuleError
+
 SEQUENCE_DIM = 1
 SIDE = 2  # the square is SIDE x SIDE
 DEGREE = SIDE * SIDE
@@ -79,8 +81,6 @@ def _contracting(matmul: Matmul, x: jax.Array, kernel: jax.Array) -> int:
 
 def _divides(size: int, parts: int, what: str) -> None:
     if size % parts:
-        from amsp_jax.core.tensor import TensorRuleError
-
         raise TensorRuleError(
             f"the cannon form splits {what} ({size}) into {parts} blocks, which does not divide it; "
             'use a shape that divides, or Plan(..., tensor_matmul="gather")'
