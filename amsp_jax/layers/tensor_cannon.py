@@ -23,7 +23,8 @@ slice of the split dimension), and entering and leaving the square is one exchan
 per operand: the sequence-parallel input (column) or the whole-sequence input slice (row) into its
 block, each kernel slice into its block, and the output block back into the gather form's layout
 (a whole-sequence output slice for a column matmul, the rank's sequence shard for a row one).
-Every transfer is a `ppermute` between two ranks; each op's counts are in `cost.tensor_traffic`.
+Every transfer is a `ppermute` between two ranks; `shifts` lists them, and `cost.tensor_traffic` counts
+them from it.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ SEQUENCE_DIM = 1
 SIDE = 2  # the square is SIDE x SIDE
 DEGREE = SIDE * SIDE
 Matmul = Callable[[jax.Array, jax.Array], jax.Array]
-Pair = tuple[jax.Array, jax.Array]
 # Rank k's neighbours on the square: along its row (r, c^1), along its column (r^1, c), across (r^1, c^1).
 ROW_NEIGHBOUR, COLUMN_NEIGHBOUR, DIAGONAL = 1, 2, 3
 
