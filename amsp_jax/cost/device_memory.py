@@ -12,7 +12,7 @@ from amsp_jax.core import backend, schedule
 from amsp_jax.core.mesh import AxisPlan, LeafLayout
 from amsp_jax.cost.traffic import schedule_leaf
 from amsp_jax.cost.workload import FP32, Workload
-from amsp_jax.layers.tensor import COLUMN_CANNON, COLUMN_RING, ROW_CANNON, ROW_RING
+from amsp_jax.layers.tensor import matmul_form
 from amsp_jax.layers.tensor_cannon import DEGREE as CANNON_BLOCKS
 
 
@@ -160,7 +160,7 @@ def tensor_split(axes: AxisPlan, workload: Workload) -> TensorSplit:
     """The activations' split under `axes`' tensor degree and `workload`'s sequence parallelism."""
     # Compiled for the CPU the cannon form's steps are within the gather form's bounds counting the
     # whole inputs (`benchmarks.tensor_cannon`), so the gather form's count stands there.
-    cannon = matmul_form(workload) == "cannon" and workload.platform != "cpu"
+    cannon = matmul_form(workload.boundaries) == "cannon" and workload.platform != "cpu"
     parts = CANNON_BLOCKS if cannon else 1
     return TensorSplit(axes.tensor, axes.tensor > 1 and workload.sequence_parallel, parts)
 
@@ -317,14 +317,6 @@ def layer_backward(workload: Workload, split: TensorSplit = WHOLE) -> tuple[int,
     return kept, max(layer + ahead, scores * per_score + around)
 
 
-def matmul_form(workload: Workload) -> str:
-    """The tensor matmul form (`Plan.tensor_matmul`) the workload's boundaries were crossed in."""
-    kinds = {b.kind for b in workload.boundaries}
-    if kinds & {COLUMN_RING, ROW_RING}:
-        return "ring"
-    return "cannon" if kinds & {COLUMN_CANNON, ROW_CANNON} else "gather"
-
-
 def fused_matmul_bytes(workload: Workload, split: TensorSplit) -> tuple[int, int]:
     """(bytes at the loss's peak, bytes at the layers' backward's peak) that a fused matmul form holds
     beyond the gather form's, per micro-batch and device, in a step compiled for a GPU.
@@ -341,7 +333,7 @@ def fused_matmul_bytes(workload: Workload, split: TensorSplit) -> tuple[int, int
         gradient blocks exchanged out of it.
     XLA:CPU runs without them (its compiled steps are within the gather form's bounds).
     """
-    form = matmul_form(workload)
+    form = matmul_form(workload.boundaries)
     if form == "gather" or workload.platform == "cpu":
         return 0, 0
     d, t, itemsize = workload.dims, split.degree, workload.precision.param_bytes

@@ -55,7 +55,16 @@ from amsp_jax.core.schedule import (
 from amsp_jax.core.tensor import TENSOR
 from amsp_jax.cost.traffic import Transfer, issued, largest_gather_bytes
 from amsp_jax.cost.workload import Workload
-from amsp_jax.layers.tensor import COLUMN, COLUMN_CANNON, COLUMN_RING, ROW, ROW_CANNON, ROW_RING, VOCAB
+from amsp_jax.layers.tensor import (
+    COLUMN,
+    COLUMN_CANNON,
+    COLUMN_RING,
+    ROW,
+    ROW_CANNON,
+    ROW_RING,
+    VOCAB,
+    matmul_form,
+)
 from amsp_jax.layers.tensor_cannon import SIDE, shifts
 
 TENSOR_FORWARD = "tensor boundaries (forward, remat)"
@@ -132,6 +141,6 @@ def tensor_transfers(axes: AxisPlan, workload: Workload) -> list[Transfer]:
 def shift_phases(workload: Workload) -> tuple[int, str, str]:
     """(steps, forward phase, backward phase) of the permutes that run beside block products: the
     ring's t steps over the boundaries' phases, or the square's two over its shifts' phases."""
-    if any(b.kind in (COLUMN_CANNON, ROW_CANNON) for b in workload.boundaries):
+    if matmul_form(workload.boundaries) == "cannon":
         return SIDE, SQUARE_FORWARD, SQUARE_BACKWARD
     return workload.tensor, TENSOR_FORWARD, TENSOR_BACKWARD

@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +91,14 @@ class Boundary:
     kernel_itemsize: int = 0
     outputs: tuple[int, ...] = ()
     input_moved: bool = False  # another call of the trace moved the same input (`tensor_cannon.shifts`)
+
+
+def matmul_form(boundaries: Iterable[Boundary]) -> str:
+    """The matmul form (`Plan.tensor_matmul`) in which a forward crossed `boundaries`, from their kinds."""
+    kinds = {b.kind for b in boundaries}
+    if kinds & {COLUMN_RING, ROW_RING}:
+        return "ring"
+    return "cannon" if kinds & {COLUMN_CANNON, ROW_CANNON} else "gather"
 
 
 _RECORDING: contextvars.ContextVar[list[Boundary] | None] = contextvars.ContextVar("boundaries", default=None)
