@@ -148,11 +148,14 @@ def test_a_cpu_mesh_is_priced_with_this_hosts_profile_measured_once(tmp_path, mo
 
 def test_profile_writes_a_cluster_config_the_planner_reads(tmp_path, monkeypatch, capsys):
     # The README's profile command as written (the docs test leaves it to this test), in a scratch dir.
+    from amsp_jax.cli import profile
+
     args = documented("README.md", "amsp-jax profile ")
     monkeypatch.chdir(tmp_path)
     assert main(args) == 0
-    config = load(tmp_path / args[args.index("--out") + 1])
-    sizes = tuple(sorted(parse_size(s) for s in args[args.index("--sizes") + 1].split(",")))
+    config = load(tmp_path / (args[args.index("--out") + 1] if "--out" in args else "measured.yaml"))
+    given = args[args.index("--sizes") + 1] if "--sizes" in args else profile.DEFAULT_SIZES
+    sizes = tuple(sorted(parse_size(s) for s in given.split(",")))
     assert (config.nodes, config.devices_per_node) == (2, 4)
     for kind in KINDS:
         for level in (*LEVELS, FLAT):
