@@ -12,8 +12,10 @@ together.
 
 Three commands are recognised and not run: `make demo` and `make test` (`make test` is what runs this
 test, and `make demo` trains 300 steps of the `demo` config, which the training guide runs for 2), and
-`pip install ...` (it would change the environment under test). Every other command runs; long ones are
-shortened with flags in the docs themselves. Fences in ```text, ```yaml or ```json are shown, not run.
+`pip install ...` (it would change the environment under test). The commands of tests/doc_commands.py's
+`RUN_BY` run once, as written, in the test named there, which checks what they write. Every other
+command runs here; long ones are shortened with flags in the docs themselves. Fences in ```text,
+```yaml or ```json are shown, not run.
 """
 
 from __future__ import annotations
@@ -28,10 +30,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.doc_commands import ROOT, RUN_BY, SHELL, blocks, documented, run_by, shell_commands
+
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```", re.S | re.M)
-SHELL = ("bash", "sh", "console")
 RUN = (*SHELL, "python")
 # Fences shown and not run: configs, program output, and text that is not a command.
 SHOWN = ("text", "yaml", "json")
@@ -54,35 +55,6 @@ sys.exit(f"failed: {failed}" if failed else 0)
 """
 
 
-def blocks(path: Path) -> list[tuple[str, int, str]]:
-    """(language, line of the opening fence, text) of every fenced block, in order."""
-    text = path.read_text()
-    found = []
-    for match in FENCE.finditer(text):
-        found.append((match[1], text.count("\n", 0, match.start()) + 1, match[2]))
-    return found
-
-
-def shell_commands(language: str, text: str) -> list[tuple[int, str]]:
-    """(line within the block, command) of a shell block's commands, continuation lines joined; blank
-    and comment lines, and a console block's output lines (those not after a `$ ` prompt or a
-    continuation), are left out."""
-    commands: list[tuple[int, str]] = []
-    continued = False
-    for number, line in enumerate(text.splitlines()):
-        if continued:
-            commands[-1] = (commands[-1][0], commands[-1][1] + "\n" + line)
-        elif language == "console" and not line.startswith("$ "):
-            continue
-        else:
-            command = line.removeprefix("$ ") if language == "console" else line
-            if not command.strip() or command.lstrip().startswith("#"):
-                continue
-            commands.append((number, command))
-        continued = line.endswith("\\")
-    return commands
-
-
 SHELL_PRELUDE = (
     "set -euo pipefail\n"
     'amsp-jax() { "$DOCS_PYTHON" -m amsp_jax.cli "$@"; }\n'
@@ -90,10 +62,13 @@ SHELL_PRELUDE = (
 )
 
 
-def shell_script(command: str) -> str:
-    """One command as a bash script; a command that is not run becomes a no-op that names it."""
+def shell_script(command: str, runner: str | None = None) -> str:
+    """One command as a bash script; a command that is not run, or that the test `runner` runs, becomes
+    a no-op that names it."""
     if NOT_RUN.match(command):
         command = f": not run by the docs test: {shlex.quote(command.splitlines()[0])}"
+    elif runner:
+        command = f": run as written by {runner}: {shlex.quote(command.splitlines()[0])}"
     return SHELL_PRELUDE + command + "\n"
 
 
@@ -114,7 +89,8 @@ def segments(path: Path) -> list[tuple[str, list[tuple[str, str]]]]:
     for language, line, text in blocks(path):
         if language in SHELL:
             for offset, command in shell_commands(language, text):
-                found.append(("shell", [(f"{name}:{line + 1 + offset}", shell_script(command))]))
+                script = shell_script(command, run_by(str(name), command))
+                found.append(("shell", [(f"{name}:{line + 1 + offset}", script)]))
         elif language == "python":
             if found and found[-1][0] == "python":
                 found[-1][1].append((f"{name}:{line}", text))
@@ -212,3 +188,10 @@ def test_every_name_the_docs_give_exists():
             if obj is None:
                 missing.append(f"{path.relative_to(ROOT)}: {name}")
     assert not missing, missing
+
+
+def test_every_command_left_to_another_test_is_in_its_document_and_that_test_exists():
+    for (document, start), test in RUN_BY.items():
+        assert documented(document, start), (document, start)
+        file, name = test.split("::")
+        assert f"def {name}(" in (ROOT / file).read_text(), f"{test} does not exist"

@@ -19,8 +19,10 @@ from amsp_jax.cli import main, probe
 from amsp_jax.cli.rates import PASS_SIZES
 from amsp_jax.compiled import audit
 from amsp_jax.cost import host_profile, timing
+from amsp_jax.cost.bandwidth import parse_size
 from amsp_jax.cost.hardware import FLAT, KINDS, LEVELS, MATMUL_DTYPES, ClusterConfigError, from_dict, load
 from amsp_jax.models.llama import Llama, LlamaConfig, make_loss_fn
+from tests.doc_commands import documented
 from tests.train_helpers import REPO, child_env
 
 # AMSP's setting has no tensor axis (`--tensor 1`); the search over t: tests/test_partitioner.py.
@@ -144,19 +146,24 @@ def test_a_cpu_mesh_is_priced_with_this_hosts_profile_measured_once(tmp_path, mo
     assert key.startswith(socket.gethostname().lower()) and f"_cpu2x4_jax{jax.__version__}" in key
 
 
-def test_profile_writes_a_cluster_config_the_planner_reads(tmp_path, capsys):
-    out = tmp_path / "measured.yaml"
-    args = ["profile", "--out", str(out), "--sizes", "4KiB", "--repeats", "1", "--no-passes"]
+def test_profile_writes_a_cluster_config_the_planner_reads(tmp_path, monkeypatch, capsys):
+    # The README's profile command as written (the docs test leaves it to this test), in a scratch dir.
+    from amsp_jax.cli import profile
+
+    args = documented("README.md", "amsp-jax profile ")
+    monkeypatch.chdir(tmp_path)
     assert main(args) == 0
-    config = load(out)
+    config = load(tmp_path / (args[args.index("--out") + 1] if "--out" in args else "measured.yaml"))
+    given = args[args.index("--sizes") + 1] if "--sizes" in args else profile.DEFAULT_SIZES
+    sizes = tuple(sorted(parse_size(s) for s in given.split(",")))
     assert (config.nodes, config.devices_per_node) == (2, 4)
     for kind in KINDS:
         for level in (*LEVELS, FLAT):
-            assert config.bandwidth[(kind, level)].sizes == (4096.0,)
+            assert config.bandwidth[(kind, level)].sizes == sizes
     assert config.flat_ring == (8, 2)  # one ring over both simulated nodes
     # Pairs inside a node, the one smaller group that divides a node of 4 (2 nodes: no smaller one).
     assert {key: table.sizes for key, table in config.group_bandwidth.items()} == {
-        (kind, "intra", 2): (4096.0,) for kind in KINDS
+        (kind, "intra", 2): sizes for kind in KINDS
     }
     assert config.peak_flops > 0 and config.collective_min_itemsize == 4
     # The default matmul sweep over tokens, per compute dtype and width: slower over 8 tokens than 2048.
