@@ -301,6 +301,24 @@ def test_real_compiled_shard_map_program():
     assert crosses(rs, node_of_device)
 
 
+def test_a_loop_bound_xla_cannot_read_is_counted_from_the_loops_scalars():
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)")
+    mesh = Mesh(np.array(jax.devices()[:4]), ("b",))
+
+    def body(x):
+        # As the step's micro-batch loop: a bound behind an optimization barrier has no known_trip_count.
+        bound = jax.lax.optimization_barrier(jnp.int32(6))
+        return jax.lax.fori_loop(1, bound, lambda _, acc: acc + jax.lax.psum(acc, "b"), x)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("b"), out_specs=P("b"))
+    text = jax.jit(f).lower(jnp.ones((8, 4), jnp.float32)).compile().as_text()
+    [loop] = [line for line in text.splitlines() if " while(" in line]
+    assert "known_trip_count" not in loop
+    [ar] = parse_collectives(text, 4)
+    assert (ar.kind, ar.trip_count) == ("all-reduce", 5)
+
+
 @pytest.mark.parametrize(
     ("init", "bound", "direction", "trips"),
     [(1, 5, "LT", 2), (0, 5, "LT", 3), (0, 4, "LE", 3), (2, 9, "NE", None), (6, 5, "LT", 0), (1, 3, "NE", 1)],

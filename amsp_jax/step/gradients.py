@@ -3,6 +3,7 @@ accumulated on G, then the G→OS reduction), and the forward-only mean loss."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -41,7 +42,7 @@ def _accumulate(
         (loss, (metrics, variables)), grads = value_and_grad(all_sinks, blocks, first, *only, variables)
         return grads, (loss, metrics), variables
 
-    def micro_step(carry: tuple[Any, Any, Any], xs: Any) -> tuple[Any, None]:
+    def micro_step(carry: tuple[Any, Any, Any], xs: Any) -> tuple[Any, Any, Any]:
         (accumulated, first_sums), sums, variables = carry
         (loss, (metrics, variables)), (grads, first_grads) = value_and_grad(
             all_sinks, blocks, first, *xs, variables
@@ -49,7 +50,7 @@ def _accumulate(
         accumulated = jax.tree.map(jnp.add, accumulated, grads)
         first_sums = jax.tree.map(jnp.add, first_sums, first_grads)
         sums = jax.tree.map(jnp.add, sums, (loss, metrics))
-        return ((accumulated, first_sums), sums, variables), None
+        return (accumulated, first_sums), sums, variables
 
     one = jax.tree.map(lambda x: x[0], (split, rngs))
     loss_shape, (metrics_shape, _) = jax.eval_shape(micro_loss, all_sinks, blocks, first, *one, variables)
@@ -58,8 +59,25 @@ def _accumulate(
     )
     first_sums = {p: s.astype(jnp.float32) for p, s in all_sinks[1].items()}
     carry = ((all_sinks[0], first_sums), zeros, variables)
-    (accumulated, sums, variables), _ = jax.lax.scan(micro_step, carry, (split, rngs))
-    return accumulated, sums, variables
+    return _micro_batch_loop(micro_step, carry, (split, rngs))
+
+
+def _micro_batch_loop(micro_step: Callable[[Any, Any], Any], carry: Any, xs: Any) -> Any:
+    """`micro_step` over the leading axis of `xs` in turn, as a loop whose trip count XLA cannot read.
+
+    XLA:GPU double-buffers every loop with a known trip count: two iterations per trip, where the
+    second's zero-initialised buffers (the layer loops' saved activations) are allocated as the pair
+    starts, so two micro-batches' activations would be live at once, which the plan does not budget.
+    The count is still read off the compiled program (`compiled.hlo.loops`) by running the loop's
+    scalars.
+    """
+    count = jax.lax.optimization_barrier(jnp.int32(jax.tree.leaves(xs)[0].shape[0]))
+
+    def body(i: jax.Array, carry: Any) -> Any:
+        micro_batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), xs)
+        return micro_step(carry, micro_batch)
+
+    return jax.lax.fori_loop(0, count, body, carry)
 
 
 def _to_opt_state(program: StepProgram, accumulated: tuple[dict, dict]) -> dict[Path, jax.Array]:

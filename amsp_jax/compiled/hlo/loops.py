@@ -80,6 +80,8 @@ class _ScalarEvaluator:
         ins = self.computations[comp].get(name)
         if ins is not None and ins.opcode == "tuple":
             return self.value(comp, operand_name(ins.operands[index]), params)
+        if ins is not None and ins.opcode == "opt-barrier":  # passes its tuple through unchanged
+            return self.element(comp, operand_name(ins.operands[0]), index, params)
         whole = self.value(comp, name, params)
         return whole.get(index) if isinstance(whole, dict) else None
 
@@ -115,17 +117,23 @@ def simulated_trip_count(ins: Instruction, caller: str, computations: Computatio
         return None
     evaluator = _ScalarEvaluator(computations)
     body_root, condition_root = root(computations[body]), root(computations[condition])
-    value = evaluator.element(caller, operand_name(ins.operands[0]), index, {})
+    # The induction variable, and the other scalars the loop carries (a bound the program computes
+    # rather than a constant XLA could read, such as the micro-batch loop's).
+    init = operand_name(ins.operands[0])
+    tupled = computations[caller].get(init)
+    indices = range(len(tupled.operands)) if tupled is not None and tupled.opcode == "tuple" else [index]
+    state = {i: evaluator.element(caller, init, i, {}) for i in indices}
+    state = {i: v for i, v in state.items() if isinstance(v, int)}
     for trips in range(_MAX_SIMULATED_TRIPS + 1):
-        test = evaluator.value(condition, condition_root, {0: {index: value}})
-        if not isinstance(test, bool) or not isinstance(value, int):
+        test = evaluator.value(condition, condition_root, {0: state})
+        if not isinstance(test, bool) or index not in state:
             return None
         if not test:
             return trips
-        following = evaluator.element(body, body_root, index, {0: {index: value}})
-        if following == value:
+        following = {i: evaluator.element(body, body_root, i, {0: state}) for i in state}
+        if following[index] == state[index]:
             return None
-        value = following
+        state = {i: v for i, v in following.items() if isinstance(v, int)}
     return None
 
 
