@@ -6,7 +6,8 @@ resident memory of the profile run as a child process, by default and with `--th
 writes `benchmarks/results/profile_time_cpu<cores>_<yyyymmdd-hhmm>.md` (`results_file`): the command of
 each run, its time by part (the profile's own summary line) and the host's load average, since on a
 shared host the wall time is the other processes' as much as the profile's and the CPU seconds are the
-comparable figure.
+comparable figure. With `--thorough` it also sets the default profile's fitted memory passes beside the
+thorough one's (`fit_agreement`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,29 @@ def profile_run(devices: int, thorough: bool, out: Path) -> dict[str, object]:
         "wall": wall, "cpu": cpu, "peak_gib": usage.ru_maxrss / 2**20, "load": (load, os.getloadavg()[0]),
         "lines": lines,
     }  # fmt: skip
+
+
+def fit_agreement(default: Path, thorough: Path) -> list[str]:
+    """A table of the fitted memory passes of the default profile beside `--thorough`'s, each with the
+    default's over the thorough one's (empty where either wrote none)."""
+    import yaml
+
+    fitted = [yaml.safe_load(path.read_text()).get("memory_passes") for path in (default, thorough)]
+    if not all(fitted):
+        return []
+    rows = [
+        f"| {key} | {fitted[0][key]:.4g} | {fitted[1][key]:.4g} | "
+        + (f"{fitted[0][key] / fitted[1][key]:.2f} |" if fitted[1][key] else "- |")
+        for key in fitted[1]
+    ]
+    return [
+        "Fitted memory passes, the default profile's beside `--thorough`'s (`memory_passes`):",
+        "",
+        "| number | default | --thorough | ratio |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def main() -> None:
@@ -89,6 +113,8 @@ def main() -> None:
         "```",
         "",
     ]
+    if args.thorough:
+        lines += fit_agreement(stem.with_suffix(".yaml"), stem.with_suffix(".thorough.yaml"))
     path = stem.with_suffix(".md")
     path.write_text("\n".join(lines))
     print(f"wrote {path}")

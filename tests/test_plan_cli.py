@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -134,8 +135,9 @@ def test_a_cpu_mesh_is_priced_with_this_hosts_profile_measured_once(tmp_path, mo
     args = ["plan", "--model", "tiny", "--cluster", "host", *SMALL_BATCH]
     assert main(args) == 0
     captured = capsys.readouterr()
-    minutes = host_profile.MINUTES_ON_TWO_CORES
-    assert f"measuring it now (about {minutes} minutes on 2 cores), once" in captured.err
+    # The default profile of 2 x 4 devices takes at most 3 minutes on 2 cores, and the plan says so.
+    said = re.search(r"measuring it now \(about (\d+) minutes? on 2 cores\), once", captured.err)
+    assert said and 1 <= int(said.group(1)) <= 3
     assert "host: profiled on" in captured.out and "not this host" not in captured.out
     assert len(runs) == 1 and host_profile.path(2, 4).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [host_profile.path(2, 4).name]  # no partial file
@@ -181,7 +183,8 @@ def test_profile_writes_a_cluster_config_the_planner_reads(tmp_path, monkeypatch
     assert config.pass_speed(PASS_SIZES[-1]) == pytest.approx(1.0)
     assert config.memory_passes is None and not config.overlap_enabled
     output = capsys.readouterr().out
-    assert f"about {host_profile.MINUTES_ON_TWO_CORES} minutes" in output and "wrote" in output
+    said = re.search(r"about (\d+) minutes? for 8 devices on a quiet 2-core host", output)
+    assert said and 1 <= int(said.group(1)) <= 3 and "wrote" in output
 
 
 @pytest.mark.slow

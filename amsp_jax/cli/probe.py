@@ -3,7 +3,7 @@
 A step's memory-bound kernels (casts, gradient sinks, the optimizer update, the copies around
 collectives) read and write each state block a number of times that depends on the backend's fusion, not
 on the model. The profile compiles the real step for four probe LLaMA shapes under several placements
-(`probe_steps`: 8 steps by default, all 32 with `--thorough`), reads the bytes those kernels touch from
+(`probe_steps`: 5 steps by default, all 32 with `--thorough`), reads the bytes those kernels touch from
 each compiled program (`amsp_jax.compiled.hlo.memory_traffic`), and solves for the bytes per byte of
 each block: the stored P block, the G block, the fp32 master, all parameters (the gathered weights and
 full-size gradients every placement handles) and the activations. Timing the same steps, in rounds over
@@ -47,17 +47,24 @@ PROBE_PLACEMENTS = (
 
 COMPILE_THREADS = 4  # at most: each compile holds a step's program and state in memory
 
-# The default profile's probe steps, per probe model (`_probe_models`): 7 flat steps whose blocks still
-# tell the five pass counts apart (a stored P in probe-a, -c and -d, G and OS sharded or not), the
-# fixed cost (probe-c), a stored P beyond the cache (probe-d zero1) and the compute scale (three
-# models), and one split/flat pair; every step compiles in about as long, so these are a quarter of
-# `--thorough`'s 32 (benchmarks/results/profile_time_*).
+# The default profile's probe steps, per probe model (`_probe_models`): 5 flat steps, about a sixth of
+# `--thorough`'s 32 (every step compiles in about as long), chosen on a thorough profile's timings
+# (benchmarks/results/profile_time_*) so that each fitted number stays pinned on a busy host: probe-b
+# flat and sharded two ways spreads the memory passes far apart over one compute (the bandwidth) and
+# tells G from the optimizer state (zero1) and a stored P from none; probe-c's small step gives the
+# fixed cost; probe-a's compute-bound step gives the compute scale. No split step: a split's price
+# beyond its bytes keeps its default, which `--thorough` times.
 DEFAULT_PROBES: tuple[tuple[tuple[str, bool], ...], ...] = (
-    (("ddp", False), ("zero1", False), ("zero3", False), ("zero3", True)),
+    (("mics", False),),
+    (("ddp", False), ("zero1", False), ("zero3", False)),
+    (("p=1x1,g=4x1,os=4x1", False),),
     (),
-    (("ddp", False), ("zero2", False)),
-    (("zero1", False), ("zero3", False)),
 )
+# Rounds the probe steps are timed in (`_time_probes`): `--thorough` at least this many, or `--repeats`.
+ROUNDS = 2
+# Wall seconds of one run of a step of each probe model, on average over its placements, on a 2-core
+# host (benchmarks/results/profile_time_*): the profile's estimate and progress bar count them.
+STEP_SECONDS = (0.77, 0.53, 0.06, 2.0)
 
 
 class ProbeFitError(AmspError):
@@ -158,14 +165,15 @@ def _filled_state(abstract: Any) -> Any:
     return jax.tree.map(filled, abstract)
 
 
-def _time_probes(compiled: list[dict[str, Any]], repeats: int, tick: Any = lambda kind: None) -> None:
-    """Each probe's step times, in `repeats` rounds (at least two) over all of them: each round runs every
-    probe once untimed and twice timed, so a slow spell of the machine falls on all of them alike."""
+def _time_probes(compiled: list[dict[str, Any]], rounds: int, tick: Any = lambda kind: None) -> None:
+    """Each probe's step times, in `rounds` rounds over all of them, so that a slow spell of the machine
+    falls on all of them alike: each round runs every probe twice, timed; the first round runs each
+    once more before, untimed (a step's first run pays for the first touches of its buffers)."""
     import jax
 
-    for _ in range(max(2, repeats)):
+    for round_ in range(rounds):
         for probe in compiled:
-            for timed in (False, True, True):
+            for timed in (*((False,) if round_ == 0 else ()), True, True):
                 start = time.perf_counter()
                 probe["state"], metrics = probe["step"](probe["state"], probe["sharded"])
                 jax.block_until_ready((probe["state"], metrics))
@@ -174,27 +182,48 @@ def _time_probes(compiled: list[dict[str, Any]], repeats: int, tick: Any = lambd
             tick("timed")
 
 
+def _chosen(thorough: bool, nodes: int) -> list[tuple[int, str, bool]]:
+    """(probe model's index, placement, split) of each probe step (`probe_steps`)."""
+    if thorough:
+        chosen = [(i, name, split) for i in range(len(DEFAULT_PROBES)) for name, split in PROBE_PLACEMENTS]
+    else:
+        chosen = [(i, name, split) for i, steps in enumerate(DEFAULT_PROBES) for name, split in steps]
+    return [step for step in chosen if not (step[2] and nodes == 1)]  # one node: nothing to split
+
+
+def step_count(thorough: bool, nodes: int) -> int:
+    """How many probe steps a profile of `nodes` nodes compiles and times."""
+    return len(_chosen(thorough, nodes))
+
+
+def run_seconds(thorough: bool, nodes: int) -> float:
+    """About how long one run of every probe step takes (`STEP_SECONDS`)."""
+    return sum(STEP_SECONDS[model] for model, _, _ in _chosen(thorough, nodes))
+
+
+def rounds(thorough: bool, repeats: int) -> int:
+    """Rounds the probe steps are timed in (`_time_probes`)."""
+    return max(ROUNDS, repeats) if thorough else ROUNDS
+
+
+def runs(thorough: bool, repeats: int) -> int:
+    """How many times `_time_probes` runs each probe step: twice a round, and once to warm up."""
+    return 2 * rounds(thorough, repeats) + 1
+
+
 def probe_steps(thorough: bool, nodes: int) -> list[tuple[Any, int, str, bool]]:
     """(model, sequence length, placement, split) of each probe step: every placement of every probe
     model where `thorough`, else the fewest that still tell each fitted number apart (module docstring;
     benchmarks/results/profile_time_*)."""
     models = _probe_models()
-    if thorough:
-        chosen = [(m, seq, name, split) for m, seq in models for name, split in PROBE_PLACEMENTS]
-    else:
-        chosen = [
-            (m, seq, name, split)
-            for (m, seq), placements in zip(models, DEFAULT_PROBES, strict=True)
-            for name, split in placements
-        ]
-    return [step for step in chosen if not (step[3] and nodes == 1)]  # one node: nothing to split
+    return [(*models[i], name, split) for i, name, split in _chosen(thorough, nodes)]
 
 
 def run_probes(
     cluster_config: Any, repeats: int, say: Any = print, thorough: bool = False, tick: Any = lambda kind: None
 ) -> list[Probe]:
     """Compile and read the probe steps (`probe_steps`) on this host's devices, then time them all in
-    `repeats` rounds (`_time_probes`); a probe's time is its median step. `tick("compiled")` after each
+    rounds (`rounds`, `_time_probes`); a probe's time is its median step. `tick("compiled")` after each
     step compiled, `tick("timed")` after each step timed in a round."""
     from amsp_jax.models.llama import Llama
 
@@ -211,8 +240,8 @@ def run_probes(
     # XLA compiles a program on one core: the steps compile side by side, one per core.
     with ThreadPoolExecutor(max(1, min(os.cpu_count() or 1, COMPILE_THREADS))) as pool:
         compiled = [found for found in pool.map(compile_one, probe_steps(thorough, cluster.nodes)) if found]
-    say(f"  compiled {len(compiled)} probe steps; timing them in {max(2, repeats)} rounds")
-    _time_probes(compiled, repeats, tick)
+    say(f"  compiled {len(compiled)} probe steps; timing them in {rounds(thorough, repeats)} rounds")
+    _time_probes(compiled, rounds(thorough, repeats), tick)
     probes = []
     for found in compiled:
         probes.append(Probe(found["label"], found["blocks"], found["traffic"], found["other"],
@@ -290,7 +319,7 @@ def fit(probes: list[Probe], speed: Callable[[float], float] = lambda nbytes: 1.
         grows = "memory passes" if seconds_per_byte <= 0 else "compute"
         raise ProbeFitError(
             f"the probe steps' times do not grow with their {grows} (a busy machine?); run "
-            "`amsp-jax profile` again on an idle one"
+            "`amsp-jax profile` again on an idle one, or with --thorough (more probe steps)"
         )
     return Passes(
         per_byte,

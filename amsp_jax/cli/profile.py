@@ -7,25 +7,33 @@ The measurements are `amsp_jax.cli.rates`'s; the memory passes of the step, fitt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from amsp_jax.cli.rates import compute_points, group_meshes, measure_collective, measure_compute
+from amsp_jax.cli.rates import (
+    compute_points,
+    group_meshes,
+    group_sizes,
+    measure_collective,
+    measure_compute,
+)
 from amsp_jax.cost import host_profile
 from amsp_jax.cost.hardware import FLAT, KINDS, LEVELS, format_size, load, parse_size
 
 DEFAULT_SIZES = "64KiB,1MiB,16MiB"
-# Wall minutes of a profile of 8 simulated devices on a 2-core host (benchmarks/results/profile_time_*).
-DEFAULT_MINUTES, THOROUGH_MINUTES = host_profile.MINUTES_ON_TWO_CORES, 15
-# The progress bar's units per point measured, per probe step compiled and per probe step timed in a
-# round: about their relative wall times on a 2-core host (benchmarks/results/profile_time_*).
-WEIGHTS = {"point": 1, "compiled": 10, "timed": 1}
+# Wall seconds of a profile of 8 simulated devices on a 2-core host, per point measured, per probe step
+# compiled (two at a time, one per core) and to start (benchmarks/results/profile_time_cpu2_*): the
+# progress bar counts in them, with the probe steps' runs (`probe.run_seconds`), and their sum is the
+# time said up front.
+SECONDS = {"start": 4.0, "point": 1.0, "compiled": 6.0}
+PARTS = ("collective points", "compute points", "probe steps")  # what the profile says it measures
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,8 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--thorough",
         action="store_true",
-        help=f"every matmul width and token count and every probe step (about {THOROUGH_MINUTES} minutes "
-        f"on a 2-core host, against {DEFAULT_MINUTES} by default)",
+        help="every matmul width and token count and every probe step (about "
+        f"{minutes(estimate_seconds(points(2, 4, True, thorough=True)))} minutes for 8 devices on a 2-core "
+        f"host, against {minutes(estimate_seconds(points(2, 4, True)))} by default)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -246,6 +255,7 @@ def _with_memory_passes(
     say("amsp-jax profile: probe steps for the memory passes")
     found = probe.run_probes(config, m.repeats, say=say, thorough=thorough, tick=tick)
     passes = probe.fit(found, config.pass_speed)
+    timed_split = probe.split_cost(found) is not None
     # The rates the probe steps' matmuls ran at replace the sweep's (`Passes.compute_scale`).
     section = _matmul_lines(m.matmuls)
     start = lines.index(section[0])
@@ -258,14 +268,16 @@ def _with_memory_passes(
         f"  step_overhead_ms: {passes.step_overhead_s * 1e3:.4g}",
         *(f"  {block}: {count:.4g}" for block, count in passes.per_byte.items()),
         f"  stored_params: {passes.stored_params:.4g}     # per fp32 parameter byte, P stored apart",
-        f"  split_results: {passes.split_results:.4g}     # per byte a split's stages hand on",
+        f"  split_results: {passes.split_results:.4g}     # per byte a split's stages hand on"
+        + ("" if timed_split else " (no split step timed: the compiled read and write)"),
     ]
     say(f"  memory passes at {passes.bandwidth / 1e9:.3g} GB/s, {passes.step_overhead_s * 1e3:.3g} ms "
           f"per step; bytes per block byte: "
           + ", ".join(f"{b} {c:.3g}" for b, c in passes.per_byte.items())
           + f" (compiled traffic within {passes.traffic_error:.0%}); a stored P "
           + f"{passes.stored_params:.3g} per fp32 parameter byte, a split's rounded results "
-          + f"{passes.split_results:.3g} per byte; the steps' matmuls took {passes.compute_scale:.3g}x "
+          + f"{passes.split_results:.3g} per byte{'' if timed_split else ' (not timed)'}; the steps' "
+          + f"matmuls took {passes.compute_scale:.3g}x "
           + "what the sweep's rates price")  # fmt: skip
     return lines
 
@@ -303,51 +315,79 @@ def _mesh(args: argparse.Namespace) -> tuple[list, int, int, Any]:
     return devices, nodes, per_node, mesh
 
 
-def _points(args: argparse.Namespace, devices: list, nodes: int, per_node: int) -> dict[str, int]:
-    """How many points each part of the profile measures."""
+def points(
+    nodes: int, per_node: int, cpu: bool, sizes: int = 3, passes: bool = True, thorough: bool = False,
+    repeats: int = 3,
+) -> dict[str, Any]:
+    """How many points each part of a profile of `nodes` × `per_node` devices measures, with `sizes`
+    message sizes, and how many times it runs its probe steps, each time all of them in about how many
+    seconds."""
     from amsp_jax.cli import probe
 
-    sizes = len(args.sizes.split(","))
     tables = 0
-    if len(devices) > 1:
+    if nodes * per_node > 1:
         tables = sum(count > 1 for count in (nodes, per_node)) + (nodes > 1 and per_node > 1)
-        tables += sum(len(g) for g in group_meshes(devices, nodes, per_node).values())
-    steps = 0 if len(devices) == 1 or args.no_passes else len(probe.probe_steps(args.thorough, nodes))
+        tables += len(group_sizes(nodes)) + len(group_sizes(per_node))
+    steps = probe.step_count(thorough, nodes) if passes and nodes * per_node > 1 else 0
     return {
         "collective points": len(KINDS) * tables * sizes,
-        "compute points": compute_points(devices[0].platform == "cpu", args.thorough),
+        "compute points": compute_points(cpu, thorough),
         "probe steps": steps,
+        "runs": probe.runs(thorough, repeats) if steps else 0,
+        "run seconds": probe.run_seconds(thorough, nodes) if steps else 0,
     }
 
 
-def _work(points: dict[str, int], repeats: int) -> int:
-    """The progress bar's total, in `WEIGHTS` units: a probe step compiles and runs for far longer than
-    a collective's point is measured, so a bar that counted points would finish its first half fast."""
-    steps = points["probe steps"]
+def estimate_seconds(counts: dict[str, Any]) -> float:
+    """The wall seconds of a profile measuring `counts` (`points`) on a quiet 2-core host (`SECONDS`)."""
+    return SECONDS["start"] + _work(counts)
+
+
+def minutes(seconds: float) -> int:
+    """`seconds` as the whole minutes said up front: the nearest, at least one."""
+    return max(1, round(seconds / 60))
+
+
+def say_minutes(seconds: float) -> str:
+    """`seconds` in whole minutes, as said up front: "1 minute", "3 minutes"."""
+    return f"{minutes(seconds)} minute{'s' if minutes(seconds) > 1 else ''}"
+
+
+def _work(counts: dict[str, Any]) -> float:
+    """The progress bar's total, in `SECONDS`: a probe step compiles and runs for far longer than a
+    collective's point is measured, so a bar that counted points would finish its first half fast."""
+    steps = counts["probe steps"]
     return (
-        (points["collective points"] + points["compute points"]) * WEIGHTS["point"]
-        + steps * WEIGHTS["compiled"]
-        + steps * max(2, repeats) * WEIGHTS["timed"]
+        (counts["collective points"] + counts["compute points"]) * SECONDS["point"]
+        + steps * SECONDS["compiled"]
+        + counts["runs"] * counts["run seconds"]
     )
+
+
+@contextlib.contextmanager
+def _timed(part: str, seconds: dict[str, tuple[float, float]]) -> Iterator[None]:
+    """Puts the wall and CPU seconds (every thread of this process) of the block into `seconds[part]`."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    yield
+    seconds[part] = (time.perf_counter() - wall, time.process_time() - cpu)
 
 
 def _measure(
     args: argparse.Namespace,
     layout: tuple[list, int, int, Any],
     tick: Callable[[int], object],
-    seconds: dict[str, float],
+    seconds: dict[str, tuple[float, float]],
 ) -> _Measured:
     """Every table and rate of the cluster YAML, measured on this host's devices (`_mesh`); the wall
-    seconds of each part go into `seconds`."""
+    and CPU seconds of each part go into `seconds`."""
     import jax
 
     sizes = sorted(parse_size(s) for s in args.sizes.split(","))
     devices, nodes, per_node, mesh = layout
-    start = time.perf_counter()
-    tables, notes = _collective_tables(mesh, devices, (nodes, per_node), sizes, args.repeats, tick)
-    seconds["collectives"] = time.perf_counter() - start
-    flops, hbm, matmuls, memory_rates = measure_compute(devices, args.repeats, args.thorough, tick)
-    seconds["compute"] = time.perf_counter() - start - seconds["collectives"]
+    with _timed("collectives", seconds):
+        tables, notes = _collective_tables(mesh, devices, (nodes, per_node), sizes, args.repeats, tick)
+    with _timed("compute", seconds):
+        flops, hbm, matmuls, memory_rates = measure_compute(devices, args.repeats, args.thorough, tick)
     memory, memory_source = _device_memory(devices[0], len(devices) // max(1, jax.process_count()))
     return _Measured(devices, nodes, per_node, args.repeats, tables, notes, flops, hbm, matmuls,
                      memory_rates, memory, memory_source)  # fmt: skip
@@ -360,41 +400,45 @@ def run(args: argparse.Namespace) -> int:
     sorted(parse_size(s) for s in args.sizes.split(","))  # bad sizes stop here, before the bar starts
     layout = _mesh(args)
     devices, nodes, per_node, _ = layout
-    points = _points(args, devices, nodes, per_node)
-    minutes = THOROUGH_MINUTES if args.thorough else DEFAULT_MINUTES
+    counts = points(nodes, per_node, devices[0].platform == "cpu", len(args.sizes.split(",")),
+                    not args.no_passes, args.thorough, args.repeats)  # fmt: skip
     print(
         f"amsp-jax profile: {len(devices)} {devices[0].platform} device(s) as {nodes} x {per_node}: "
-        + ", ".join(f"{n} {part}" for part, n in points.items() if n)
-        + f"; about {minutes} minutes for 8 devices on a 2-core host"
+        + ", ".join(f"{counts[part]} {part}" for part in PARTS if counts[part])
+        + f"; about {say_minutes(estimate_seconds(counts))} for 8 devices on a quiet 2-core host"
         + ("" if args.thorough else " (--thorough measures more)"),
         flush=True,
     )
-    bar = tqdm(total=_work(points, args.repeats), disable=args.no_progress, dynamic_ncols=True,
+    bar = tqdm(total=_work(counts), disable=args.no_progress, dynamic_ncols=True,
                bar_format="{l_bar}{bar}| [{elapsed}<{remaining}]")  # fmt: skip
     say = bar.write if not args.no_progress else print
-    seconds: dict[str, float] = {}
-    start = time.perf_counter()
-    measured = _measure(args, layout, lambda n: bar.update(n * WEIGHTS["point"]), seconds)
+    seconds: dict[str, tuple[float, float]] = {}
+    start, cpu_start = time.perf_counter(), time.process_time()
+    measured = _measure(args, layout, lambda n: bar.update(n * SECONDS["point"]), seconds)
     lines = _config_lines(args.name, measured)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     config = load(out)
     if len(measured.devices) > 1 and not args.no_passes:
-        passes_start = time.perf_counter()
-        tick = lambda kind: bar.update(WEIGHTS[kind])  # noqa: E731
         from amsp_jax.cli import probe
 
-        try:
-            lines = _with_memory_passes(lines, measured, config, args.thorough, tick, say)
-        except probe.ProbeFitError as error:
-            # The rates measured so far still price every collective and matmul: keep them.
-            say(f"amsp-jax profile: {error}; wrote the profile without the memory passes")
-        seconds["probe steps"] = time.perf_counter() - passes_start
+        # A probe step timed in a round counts its share of every run's seconds.
+        rounds = probe.rounds(args.thorough, args.repeats)
+        timed = counts["runs"] * counts["run seconds"] / max(1, counts["probe steps"] * rounds)
+        tick = lambda kind: bar.update(SECONDS["compiled"] if kind == "compiled" else timed)  # noqa: E731
+
+        with _timed("probe steps", seconds):
+            try:
+                lines = _with_memory_passes(lines, measured, config, args.thorough, tick, say)
+            except probe.ProbeFitError as error:
+                # The rates measured so far still price every collective and matmul: keep them.
+                say(f"amsp-jax profile: {error}; wrote the profile without the memory passes")
         out.write_text("\n".join(lines) + "\n")
         config = load(out)
     bar.close()
     _print_summary(out, config, measured)
-    parts = ", ".join(f"{part} {s:.0f} s" for part, s in seconds.items())
-    print(f"  took {time.perf_counter() - start:.0f} s ({parts})")
+    parts = "; ".join(f"{part} {wall:.0f} s, {cpu:.0f} CPU-s" for part, (wall, cpu) in seconds.items())
+    total = f"{time.perf_counter() - start:.0f} s, {time.process_time() - cpu_start:.0f} CPU-s"
+    print(f"  took {total} ({parts})")
     return 0

@@ -44,19 +44,29 @@ def _median_seconds_each(
     host then falls on every one alike rather than on the few measured during it, which would price
     every step that uses their rates too high."""
     calls = []
+    times: list[list[float]] = []
     for fn in fns:
         fn()  # compile and warm up
         start = time.perf_counter()
         fn()
-        calls.append(max(1, int(sample_s / max(time.perf_counter() - start, 1e-9))))
-    times: list[list[float]] = [[] for _ in fns]
+        elapsed = time.perf_counter() - start
+        calls.append(max(1, int(sample_s / max(elapsed, 1e-9))))
+        # A call that lasts a sample by itself is one: calling it again for the first sample costs time.
+        times.append([elapsed] if elapsed >= sample_s else [])
     for _ in range(max(1, repeats)):
         for fn, count, samples in zip(fns, calls, times, strict=True):
+            if len(samples) >= max(1, repeats):
+                continue
             start = time.perf_counter()
             for _ in range(count):
                 fn()
             samples.append((time.perf_counter() - start) / count)
     return [statistics.median(samples) for samples in times]
+
+
+def group_sizes(count: int) -> list[int]:
+    """The sizes of the groups smaller than a level of `count` devices that divide it (`group_meshes`)."""
+    return [group for group in range(2, count) if count % group == 0]
 
 
 def group_meshes(devices: list, nodes: int, per_node: int) -> dict[str, list[tuple[int, object]]]:
@@ -72,9 +82,7 @@ def group_meshes(devices: list, nodes: int, per_node: int) -> dict[str, list[tup
     grid = np.array(devices, dtype=object)
     meshes: dict[str, list[tuple[int, object]]] = {"intra": [], "inter": []}
     for level, count in (("intra", per_node), ("inter", nodes)):
-        for group in range(2, count):
-            if count % group:
-                continue
+        for group in group_sizes(count):
             if level == "intra":
                 shape, names = (nodes, per_node // group, group), ("inter", "rest", "intra")
             else:
