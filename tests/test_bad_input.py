@@ -35,6 +35,7 @@ import amsp_jax.run.data
 import amsp_jax.run.train
 from amsp_jax.cli import main
 from amsp_jax.cli.train import abandoned_orbax_read
+from amsp_jax.compiled import compile_step
 from amsp_jax.core.space import StrategyError
 from amsp_jax.models.llama import LlamaConfig, ModelConfigError, make_loss_fn
 from amsp_jax.run.checkpoint import Checkpointer
@@ -584,6 +585,23 @@ def test_the_api_raises_typed_errors_that_say_what_to_do(case, api):
     _, call, kind, message = case
     with pytest.raises(kind, match=message):
         call(api)
+
+
+def test_a_step_the_device_cannot_hold_is_refused_before_it_runs(api, monkeypatch):
+    """Where the device's allocator says less than the compiled step needs, the step is refused in one
+    line before it runs, and the state it was given is still whole (nothing donated)."""
+    like = api.trainer
+    trainer = aj.Trainer(
+        like.plan, like.model, like.optimizer, like.loss_fn, list(like.layout.mesh.devices.flat)
+    )
+    trainer.setup(jax.random.key(0), api.batch["inputs"])
+    state = jax.tree.map(jnp.copy, api.state)
+    monkeypatch.setattr(compile_step, "device_bytes_limit", lambda device: 2**20)
+    with pytest.raises(
+        TrainerError, match=r"^the compiled step needs \d+\.\d+ GiB per device, more than the 0\.00 GiB"
+    ):
+        trainer.step(state, api.batch)
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
 
 def test_a_non_finite_step_is_skipped(api):

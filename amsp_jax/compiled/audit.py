@@ -24,6 +24,7 @@ import jax
 
 from amsp_jax import cost
 from amsp_jax.compiled import hlo
+from amsp_jax.compiled.compile_step import compiled_memory
 from amsp_jax.core.backend import selects_in_place
 from amsp_jax.core.mesh import AxisPlan
 from amsp_jax.cost import optimizer as optimizer_cost
@@ -167,15 +168,6 @@ class Measured:
                 self.collectives, self.levels, self.overlaps or (None,) * len(self.collectives), strict=True
             )
         ]
-
-
-def compiled_memory(compiled: jax.stages.Compiled) -> tuple[int, dict[str, int]]:
-    """Peak bytes per device of a compiled program: arguments + outputs - donated aliases + temporaries."""
-    stats = compiled.memory_analysis()
-    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")
-    values = {f: int(getattr(stats, f)) for f in fields}
-    total = values[fields[0]] + values[fields[1]] - values[fields[2]] + values[fields[3]]
-    return total, values
 
 
 def measure(compiled: jax.stages.Compiled, axes: AxisPlan, layer_scopes: tuple[str, ...] = ()) -> Measured:

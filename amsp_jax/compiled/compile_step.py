@@ -67,7 +67,9 @@ def compile_step(program: StepProgram, state: Any, batch: Any) -> jax.stages.Com
             "it, e.g. with jnp.mean"
         ) from None
     if layout.mesh.devices.flat[0] in jax.devices():
-        return compile_scheduled(lowered, options, layout)
+        compiled = compile_scheduled(lowered, options, layout)
+        check_fits(compiled, layout.mesh.devices.flat[0])
+        return compiled
     # Compiled for a topology this process has no client for (a GPU target on a CPU machine): JAX's
     # persistent cache would store it but cannot load it back ("PjRtCompiler must be constructed with
     # a Client"), so no compile time is long enough to store it.
@@ -77,6 +79,36 @@ def compile_step(program: StepProgram, state: Any, batch: Any) -> jax.stages.Com
         return compile_scheduled(lowered, options, layout)
     finally:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", least)
+
+
+def compiled_memory(compiled: jax.stages.Compiled) -> tuple[int, dict[str, int]]:
+    """Peak bytes per device of a compiled program: arguments + outputs - donated aliases + temporaries."""
+    stats = compiled.memory_analysis()
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")
+    values = {f: int(getattr(stats, f)) for f in fields}
+    total = values[fields[0]] + values[fields[1]] - values[fields[2]] + values[fields[3]]
+    return total, values
+
+
+def device_bytes_limit(device: jax.Device) -> int | None:
+    """What the device's allocator can hand out (JAX's `bytes_limit`); None where it does not say (CPU)."""
+    if device.platform == "cpu":
+        return None
+    stats = device.memory_stats()
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def check_fits(compiled: jax.stages.Compiled, device: jax.Device) -> None:
+    """Refuse, before any step runs and donates the state, a step that needs more memory per device than
+    the device's allocator has: XLA would fail the step's allocation instead."""
+    limit = device_bytes_limit(device)
+    peak = compiled_memory(compiled)[0]
+    if limit is not None and peak > limit:
+        raise TrainerError(
+            f"the compiled step needs {peak / 2**30:.2f} GiB per device, more than the {limit / 2**30:.2f} "
+            f"GiB a {device.device_kind} can allocate here; plan again with the cluster config's "
+            "usable_memory_fraction lowered to match, or use more micro-batches or remat full"
+        )
 
 
 def _slop_factor(program: StepProgram, state: Any, batch: Any) -> int | None:
