@@ -20,7 +20,7 @@ from amsp_jax.cost.trace import ModelSpec, trace
 from amsp_jax.planner.ilp import solve
 from amsp_jax.planner.priced import PricedPlan, best_batching, nothing_fits, price, price_presets
 from amsp_jax.planner.request import PlanError, Request, implementations, make_request, tensor_options
-from amsp_jax.planner.terms import Terms, batching_terms, build_terms
+from amsp_jax.planner.terms import Terms, batching_terms, build_terms, issued_otherwise
 
 
 def fastest(request: Request, terms: Terms | None = None) -> PricedPlan:
@@ -77,7 +77,8 @@ def solved_options(
         elif given is None and built_for is not None and built_for.request == option:
             built = built_for
         else:
-            built = given or build_terms(option)
+            twin = next((t for t in tried if issued_otherwise(t.request, option)), None)
+            built = given or build_terms(option, states_from=twin)
         if option.sequence_parallel and option.tensor_matmul == "gather":
             gather[key] = built
         tried.append(built)
