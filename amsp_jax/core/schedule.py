@@ -306,7 +306,11 @@ def leaf_schedule(
     micro-batch. Once per step the G→OS reduction and the P refresh run. A `frozen` leaf is gathered
     but never reduced or refreshed. `major_first`: how the leaf is split (`mesh.shard_dims`).
     """
-    return _leaf_schedule(axes.without_devices(), leaf, settings, major_first)
+    # Cached by what it reads: the axes, not a Layout's devices; the settings less the prefetch choice,
+    # which sets when the step's gathers are issued (`Schedule.prefetches`), not which.
+    issue = dataclasses.replace(settings.implementation, prefetch=None)
+    key = dataclasses.replace(settings, implementation=issue)
+    return _leaf_schedule(axes.without_devices(), leaf, key, major_first)
 
 
 @functools.lru_cache(maxsize=1 << 14)
