@@ -306,21 +306,23 @@ def leaf_schedule(
     micro-batch. Once per step the G→OS reduction and the P refresh run. A `frozen` leaf is gathered
     but never reduced or refreshed. `major_first`: how the leaf is split (`mesh.shard_dims`).
     """
-    # Cached by what it reads: the axes, not a Layout's devices; the settings less the prefetch choice,
-    # which sets when the step's gathers are issued (`Schedule.prefetches`), not which.
-    issue = dataclasses.replace(settings.implementation, prefetch=None)
-    key = dataclasses.replace(settings, implementation=issue)
-    return _leaf_schedule(axes.without_devices(), leaf, key, major_first)
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _leaf_schedule(axes: AxisPlan, leaf: Leaf, settings: StepSettings, major_first: bool) -> LeafSchedule:
-    split = leaf_layout(axes, leaf, major_first)
-    build = _Builder(axes, settings.implementation.hierarchical)
-    size = math.prod(split.rank_padded)  # what moves is the stored (padded) leaf
     kept_first = bool(leaf.gathered_per_layer and leaf.stacked and leaf.layer_stack) and keeps_first_layer(
         settings.micro_batches, leaf.layers, settings.implementation
     )
+    # Cached by what the ops read: the axes (no devices), the settings less the prefetch choice (when
+    # gathers are issued, `Schedule.prefetches`) and the kept first layer's, decided here.
+    issue = dataclasses.replace(settings.implementation, prefetch=None, keep_first_layer=False)
+    key = dataclasses.replace(settings, implementation=issue)
+    return _leaf_schedule(axes.without_devices(), leaf, key, major_first, kept_first)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _leaf_schedule(
+    axes: AxisPlan, leaf: Leaf, settings: StepSettings, major_first: bool, kept_first: bool
+) -> LeafSchedule:
+    split = leaf_layout(axes, leaf, major_first)
+    build = _Builder(axes, settings.implementation.hierarchical)
+    size = math.prod(split.rank_padded)  # what moves is the stored (padded) leaf
     if split.dim is None:
         # A leaf with nothing to split (a scalar) stays whole everywhere: only its gradient is summed.
         summed = build.all_reduce(REDUCTION, axes.data_axes, size, settings.reduce_itemsize, 1)
