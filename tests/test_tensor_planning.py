@@ -17,6 +17,7 @@ from amsp_jax.cost.tensor_traffic import tensor_transfers
 from amsp_jax.cost.trace import trace
 from amsp_jax.models.llama import Llama, LlamaConfig, llama_spec, make_loss_fn
 from amsp_jax.planner import search
+from amsp_jax.planner.ilp import solve
 from amsp_jax.planner.request import PlanError, make_request, tensor_options
 from amsp_jax.planner.terms import build_terms
 from tests.helpers import CLUSTER, SEQ, TINY, batches, optimizer
@@ -87,3 +88,40 @@ def test_the_fused_forms_terms_derived_from_the_gather_forms_equal_their_own(for
     for field in dataclasses.fields(built):
         assert getattr(derived, field.name) == getattr(built, field.name), field.name
     assert derived.compute != build_terms(gather).compute  # the forms' tensor transfers differ in time
+
+
+def test_the_model_state_terms_shared_across_issue_forms_equal_their_own():
+    # The search builds the flat form's terms with the hierarchical form's model-state terms
+    # (`build_terms(states_from=...)`): every term must be what building the flat form's own gives.
+    spec = llama_spec(dataclasses.replace(KV4_TIED, n_layers=3))
+    request = make_request(spec, "a800-8x-ib800", 2, seq_len=64, global_batch=32, tensor_degrees=(2,))
+    split = tensor_options(request)[0]
+    issue = dataclasses.replace(split.implementation, hierarchical=False)
+    flat = dataclasses.replace(split, implementation=issue)
+    hierarchical = build_terms(split)
+    shared, built = build_terms(flat, states_from=hierarchical), build_terms(flat)
+    for field in dataclasses.fields(built):
+        assert getattr(shared, field.name) == getattr(built, field.name), field.name
+    assert built.p_time != hierarchical.p_time  # the two forms' collectives differ in time
+
+
+def test_the_best_plan_at_each_tensor_degree_is_the_best_of_every_option_solved(monkeypatch):
+    # `price_alternatives` skips options whose compute alone is no faster than the best plan found
+    # at their degree; the rows it keeps must be those of solving every option.
+    spec = llama_spec(dataclasses.replace(KV4_TIED, n_layers=3))
+    request = make_request(spec, "a800-8x-ib800", 2, seq_len=64, global_batch=32, tensor_degrees=(1, 2))
+    solved: list[object] = []
+    monkeypatch.setattr(search, "solve", lambda terms: solved.append(terms) or solve(terms))
+    every = search.solved_options(request)
+    solved_every, solved[:] = len(solved), []
+    table = search.price_alternatives(request)
+    assert len(solved) < solved_every  # some options were skipped
+    best = {}
+    for row in every:
+        t = row.strategy.tensor
+        if t not in best or row.estimate.time.step_s < best[t].estimate.time.step_s:
+            best[t] = row
+    kept = {row.strategy.tensor: row for row in (table.chosen, *table.by_tensor)}
+    assert sorted(kept) == sorted(best)
+    for t, row in kept.items():
+        assert row.estimate == best[t].estimate and row.description == best[t].description, t

@@ -10,6 +10,7 @@ components is a slice, a reduce-scatter or an all-gather over the extra axes onl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -60,13 +61,33 @@ class AxisPlan:
         """The axes `component` is sharded over, in `PartitionSpec` order (major first)."""
         return self.component_axes[component]
 
+    @functools.cached_property
+    def _sizes(self) -> dict[str, int]:
+        return dict(self.axis_sizes)
+
     def axis_size(self, axis: str) -> int:
         """Number of devices along one axis."""
-        return dict(self.axis_sizes)[axis]
+        return self._sizes[axis]
 
     def size(self, axes: Sequence[str]) -> int:
         """Number of devices spanned by `axes`."""
         return math.prod(self.axis_size(a) for a in axes)
+
+    def __hash__(self) -> int:
+        # Hashable (equal plans hash equal), so that what a leaf's layout and schedule depend on can key
+        # a cache: the planner prices the same leaves under the same axes many times.
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        components = frozenset(self.component_axes.items())
+        return hash((self.cluster, self.strategy, self.axis_sizes, components, self.inter_axes))
+
+    def without_devices(self) -> AxisPlan:
+        """These axes alone, as a plain `AxisPlan` (a `Layout` less its mesh)."""
+        if type(self) is AxisPlan:
+            return self
+        return AxisPlan(self.cluster, self.strategy, self.axis_sizes, self.component_axes, self.inter_axes)
 
     def is_inter(self, axis: str) -> bool:
         """Whether `axis` runs across nodes."""
@@ -266,6 +287,11 @@ def shard_dims(
 def leaf_layout(layout: AxisPlan, leaf: Leaf, major_first: bool = True) -> LeafLayout:
     """Split of one leaf: every component on the same dimension(s), smaller groups' axes first (a prefix
     of the largest group's), padded to the largest group where nothing divides (`shard_dims`)."""
+    return _leaf_layout(layout.without_devices(), leaf, major_first)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _leaf_layout(layout: AxisPlan, leaf: Leaf, major_first: bool) -> LeafLayout:
     # Every component's axes are a prefix of the largest group's, whose intra-node axes come first.
     order = max((layout.axes(c) for c in COMPONENTS), key=len)
     tensor_dim = leaf.tensor_dim if layout.tensor > 1 else None

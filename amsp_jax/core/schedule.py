@@ -20,10 +20,11 @@ device, how many times it runs per step and in which phase. `amsp_jax.step` exec
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
+from amsp_jax.core import groups
 from amsp_jax.core.backend import combine_thresholds
 from amsp_jax.core.leaf import Leaf
 from amsp_jax.core.mesh import AxisPlan, LeafLayout, leaf_layout
@@ -150,15 +151,6 @@ class Op:
 Dims = int | Mapping[str, int]
 
 
-def nodes_spanned(axes: AxisPlan, group_axes: Sequence[str]) -> int:
-    """Nodes one group over `group_axes` touches."""
-    return axes.size([a for a in group_axes if axes.is_inter(a)])
-
-
-def _level(axes: AxisPlan, group_axes: Sequence[str]) -> str:
-    return "inter" if any(axes.is_inter(a) for a in group_axes) else "intra"
-
-
 def chained(ops: list[Op]) -> list[Op]:
     """The stages of one collective chain, each but the last marked as feeding the next."""
     return [dataclasses.replace(op, feeds=True) for op in ops[:-1]] + ops[-1:]
@@ -175,20 +167,17 @@ class _Builder:
         itemsize: int, executions: int,
     ) -> Op:  # fmt: skip
         group_axes = tuple(group_axes)
+        group, nodes, level = groups.shape(self.axes.without_devices(), group_axes)
         return Op(
-            phase, kind, group_axes, self.axes.size(group_axes), nodes_spanned(self.axes, group_axes),
-            _level(self.axes, group_axes), dim, elements, itemsize, executions, self.unit,
+            phase, kind, group_axes, group, nodes, level, dim, elements, itemsize, executions, self.unit
         )  # fmt: skip
 
-    def pieces(self, group_axes: Sequence[str], dims: Dims) -> list[tuple[tuple[str, ...], int]]:
+    def pieces(self, group_axes: Sequence[str], dims: Dims) -> tuple[tuple[tuple[str, ...], int], ...]:
         """`group_axes` in runs that one collective can take, with the dimension each splits: a leaf
         split over two dimensions needs one per dimension; hierarchical, one per level too."""
-        if not group_axes:
-            return []
-        dim_of = (lambda _: dims) if isinstance(dims, int) else dims.__getitem__
-        key = (lambda a: (self.axes.is_inter(a), dim_of(a))) if self.hierarchical else dim_of
-        grouped = (tuple(run) for _, run in itertools.groupby(group_axes, key))
-        return [(run, dim_of(run[0])) for run in grouped]
+        group_axes = tuple(group_axes)
+        per_axis = tuple(dims if isinstance(dims, int) else dims[a] for a in group_axes)
+        return groups.runs(self.axes.without_devices(), self.hierarchical, group_axes, per_axis)
 
     def all_gather(
         self, phase: str, group_axes: Sequence[str], dims: Dims, block: int, itemsize: int, executions: int
@@ -317,12 +306,23 @@ def leaf_schedule(
     micro-batch. Once per step the G→OS reduction and the P refresh run. A `frozen` leaf is gathered
     but never reduced or refreshed. `major_first`: how the leaf is split (`mesh.shard_dims`).
     """
-    split = leaf_layout(axes, leaf, major_first)
-    build = _Builder(axes, settings.implementation.hierarchical)
-    size = math.prod(split.rank_padded)  # what moves is the stored (padded) leaf
     kept_first = bool(leaf.gathered_per_layer and leaf.stacked and leaf.layer_stack) and keeps_first_layer(
         settings.micro_batches, leaf.layers, settings.implementation
     )
+    # Cached by what the ops read: the axes (no devices), the settings less the prefetch choice (when
+    # gathers are issued, `Schedule.prefetches`) and the kept first layer's, decided here.
+    issue = dataclasses.replace(settings.implementation, prefetch=None, keep_first_layer=False)
+    key = dataclasses.replace(settings, implementation=issue)
+    return _leaf_schedule(axes.without_devices(), leaf, key, major_first, kept_first)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _leaf_schedule(
+    axes: AxisPlan, leaf: Leaf, settings: StepSettings, major_first: bool, kept_first: bool
+) -> LeafSchedule:
+    split = leaf_layout(axes, leaf, major_first)
+    build = _Builder(axes, settings.implementation.hierarchical)
+    size = math.prod(split.rank_padded)  # what moves is the stored (padded) leaf
     if split.dim is None:
         # A leaf with nothing to split (a scalar) stays whole everywhere: only its gradient is summed.
         summed = build.all_reduce(REDUCTION, axes.data_axes, size, settings.reduce_itemsize, 1)

@@ -20,7 +20,7 @@ from amsp_jax.cost.trace import ModelSpec, trace
 from amsp_jax.planner.ilp import solve
 from amsp_jax.planner.priced import PricedPlan, best_batching, nothing_fits, price, price_presets
 from amsp_jax.planner.request import PlanError, Request, implementations, make_request, tensor_options
-from amsp_jax.planner.terms import Terms, batching_terms, build_terms
+from amsp_jax.planner.terms import Terms, batching_terms, build_terms, issued_otherwise
 
 
 def fastest(request: Request, terms: Terms | None = None) -> PricedPlan:
@@ -52,11 +52,16 @@ def fused_terms(gather: Terms, fused: Request) -> Terms:
 
 
 def solved_options(
-    request: Request, terms: Terms | None = None, prune: bool = False, built_for: Terms | None = None
+    request: Request,
+    terms: Terms | None = None,
+    prune: bool = False,
+    built_for: Terms | None = None,
+    per_degree: bool = False,
 ) -> list[PricedPlan]:
     """The ILP's choice for each option of the outer enumeration (`fastest`), priced by the full
     models; options where nothing fits are left out, and PlanError when that is all of them.
-    `prune`: skip an option whose compute alone (`_lower_bound`) is no faster than the best found.
+    `prune`: skip an option whose compute alone (`_lower_bound`) is no faster than the best found, or
+    with `per_degree` the best found at its tensor degree (so the best at each degree is still found).
     `built_for`: terms already built for one of the options (its request), used for it."""
     start = time.perf_counter()
     options = [(request, terms)] if terms is not None else [
@@ -68,7 +73,8 @@ def solved_options(
     tried: list[Terms] = []
     gather: dict[tuple[int, Implementation], Terms] = {}  # sequence-parallel gather form's, per (t, impl.)
     for option, given in options:
-        fastest_yet = min((row.estimate.time.step_s for row in found), default=float("inf"))
+        rivals = (row for row in found if not per_degree or row.strategy.tensor == option.tensor)
+        fastest_yet = min((row.estimate.time.step_s for row in rivals), default=float("inf"))
         if prune and given is None and _lower_bound(option) >= fastest_yet:
             continue
         key = (option.tensor, option.implementation)
@@ -77,7 +83,8 @@ def solved_options(
         elif given is None and built_for is not None and built_for.request == option:
             built = built_for
         else:
-            built = given or build_terms(option)
+            twin = next((t for t in tried if issued_otherwise(t.request, option)), None)
+            built = given or build_terms(option, states_from=twin)
         if option.sequence_parallel and option.tensor_matmul == "gather":
             gather[key] = built
         tried.append(built)
@@ -167,7 +174,8 @@ def price_alternatives(request: Request, strategy: Strategy | str | None = None)
     terms = build_terms(flat)
     per_degree: dict[int, PricedPlan] = {}
     if strategy is None:
-        per_degree = _fastest_per_tensor_degree(solved_options(request, built_for=terms))
+        options = solved_options(request, prune=True, built_for=terms, per_degree=True)
+        per_degree = _fastest_per_tensor_degree(options)
         chosen = min(per_degree.values(), key=lambda row: row.estimate.time.step_s)
     else:
         if not isinstance(strategy, Strategy):

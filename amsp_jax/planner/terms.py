@@ -328,10 +328,13 @@ def _pair_memory(request: Request, pairs: Iterable[PairKey]) -> dict[PairKey, di
     cluster = request.cluster.cluster()
     scanned = request.workload(micro_batches=1, remat="full")
     scanned = scanned.with_(implementation=dataclasses.replace(request.implementation, prefetch=False))
+    by_pair: dict[tuple[Placement, Placement], dict[str, float]] = {}  # the same for every π
     found = {}
     for a, o, pi in pairs:
-        pair = memory(plan_axes(cluster, request.strategy(a, a, o)), scanned).peaks
-        found[(a, o, pi)] = {name: float(peak.p_with_os) for name, peak in pair.items()}
+        if (a, o) not in by_pair:
+            pair = memory(plan_axes(cluster, request.strategy(a, a, o)), scanned).peaks
+            by_pair[(a, o)] = {name: float(peak.p_with_os) for name, peak in pair.items()}
+        found[(a, o, pi)] = dict(by_pair[(a, o)])
     return found
 
 
@@ -368,14 +371,39 @@ def _lays_out(request: Request, q: Placement, leaves: Iterable[Leaf]) -> bool:
     return True
 
 
-def build_terms(request: Request) -> Terms:
-    """Evaluate the cost model on probe strategies and tabulate every term of the decomposed model."""
+_STATE_FIELDS = (
+    "p_memory", "p_layer_memory", "p_other_memory", "g_memory", "g_other_memory", "os_memory",
+    "os_update_memory", "passes", "pair_memory",
+)  # fmt: skip
+
+
+def issued_otherwise(a: Request, b: Request) -> bool:
+    """Whether two requests differ at most in how collectives are issued (split or flat)."""
+    issue = dataclasses.replace(a.implementation, hierarchical=b.implementation.hierarchical)
+    return dataclasses.replace(a, implementation=issue) == b
+
+
+def build_terms(request: Request, states_from: Terms | None = None) -> Terms:
+    """Evaluate the cost model on probe strategies and tabulate every term of the decomposed model.
+
+    `states_from`: terms of the same request with collectives issued the other way (`issued_otherwise`),
+    whose model states' memory and memory passes are taken as they are: splitting a collective by level
+    moves the same blocks, so no buffer changes."""
+    if states_from is not None and not issued_otherwise(states_from.request, request):
+        raise ValueError("states_from must be built for the same request, collectives issued otherwise")
     base = request.workload()
     qs = [q for q in placements(request.data_cluster()) if _lays_out(request, q, base.leaves)]
     leaves = timing.distinct_leaves(base)
     profiles = _profiles(qs, leaves, request.tensor)
     communication = _communication_terms(qs, profiles, _Probes(request, leaves, profiles))
     remats = tuple(r for r in REMAT_POLICIES if r in request.remats)
+    if states_from is None:
+        states = {
+            **_state_terms(request, profiles, base),
+            "pair_memory": _pair_memory(request, communication["refresh"]),
+        }
+    else:
+        states = {name: getattr(states_from, name) for name in _STATE_FIELDS}
     return Terms(
         request=request,
         placements=tuple(qs),
@@ -385,8 +413,7 @@ def build_terms(request: Request) -> Terms:
         batchings=tuple(request.batchings()),
         remats=remats,
         **communication,
-        **_state_terms(request, profiles, base),
-        pair_memory=_pair_memory(request, communication["refresh"]),
+        **states,
         **batching_terms(request, remats),
         memory_limit=request.cluster.memory_limit,
     )
