@@ -135,9 +135,7 @@ def test_a_cpu_mesh_is_priced_with_this_hosts_profile_measured_once(tmp_path, mo
     args = ["plan", "--model", "tiny", "--cluster", "host", *SMALL_BATCH]
     assert main(args) == 0
     captured = capsys.readouterr()
-    # The default profile of 2 x 4 devices takes at most 3 minutes on 2 cores, and the plan says so.
-    said = re.search(r"measuring it now \(about (\d+) minutes? on 2 cores\), once", captured.err)
-    assert said and 1 <= int(said.group(1)) <= 3
+    assert "measuring it now (the profile says how long up front), once" in captured.err
     assert "host: profiled on" in captured.out and "not this host" not in captured.out
     assert len(runs) == 1 and host_profile.path(2, 4).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [host_profile.path(2, 4).name]  # no partial file

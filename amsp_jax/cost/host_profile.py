@@ -77,14 +77,6 @@ def profile_command(nodes: int, per_node: int, out: Path | str) -> str:
     return f"{flags}amsp-jax profile --nodes {nodes} --out {out}"
 
 
-def minutes_on_two_cores(nodes: int, per_node: int) -> str:
-    """About how long the default profile of `nodes` × `per_node` CPU devices takes on a quiet 2-core
-    host, e.g. "3 minutes": what `amsp-jax profile` says up front for it."""
-    from amsp_jax.cli import profile
-
-    return profile.say_minutes(profile.estimate_seconds(profile.points(nodes, per_node, cpu=True)))
-
-
 def measure(nodes: int, per_node: int, say: Callable[[str], None]) -> Path:
     """Run the default profile of `nodes` × `per_node` CPU devices in a child process (its progress
     bar on stderr) and move it into the cache: the cache never holds a half-written profile."""
@@ -92,8 +84,8 @@ def measure(nodes: int, per_node: int, say: Callable[[str], None]) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(f".partial-{os.getpid()}.yaml")
     say(
-        f"no profile of this host for {nodes}x{per_node} CPU devices yet: measuring it now (about "
-        f"{minutes_on_two_cores(nodes, per_node)} on 2 cores), once: it is cached as {target}. "
+        f"no profile of this host for {nodes}x{per_node} CPU devices yet: measuring it now (the profile "
+        f"says how long up front), once: it is cached as {target}. "
         f"`{profile_command(nodes, per_node, 'FILE')}` makes one ahead; {MODE}=refuse refuses instead."
     )
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -121,8 +113,8 @@ def load(nodes: int, per_node: int, say: Callable[[str], None] | None = None) ->
         if mode == "refuse":
             raise ClusterConfigError(
                 f"no profile of this host for {nodes}x{per_node} CPU devices: "
-                f"`{profile_command(nodes, per_node, found)}` measures it (about "
-                f"{minutes_on_two_cores(nodes, per_node)} on 2 cores), or give a cluster config"
+                f"`{profile_command(nodes, per_node, found)}` measures it (a few minutes on 2 cores), or "
+                "give a cluster config"
             )
         measure(nodes, per_node, say or _say)
     return hardware.load(found)

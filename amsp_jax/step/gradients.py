@@ -32,7 +32,7 @@ def _accumulate(
     program: StepProgram, micro_loss: MicroLoss, inputs: tuple, split: Any, rngs: Any, variables: Any
 ) -> tuple[Any, Any, Any]:
     """`((G blocks, first-layer gradients), (loss sum, metric sums), collections)` over this device's
-    micro-batches: one call without an accumulator, else a scan summing into fp32 G."""
+    micro-batches: one call without an accumulator, else a loop summing into fp32 G."""
     value_and_grad = jax.value_and_grad(micro_loss, has_aux=True)
     all_axes = program.layout.all_axes
     all_sinks, blocks, first = inputs
