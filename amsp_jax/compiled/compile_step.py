@@ -102,8 +102,10 @@ def check_fits(compiled: jax.stages.Compiled, device: jax.Device) -> None:
     """Refuse, before any step runs and donates the state, a step that needs more memory per device than
     the device's allocator has: XLA would fail the step's allocation instead."""
     limit = device_bytes_limit(device)
+    if limit is None:
+        return
     peak = compiled_memory(compiled)[0]
-    if limit is not None and peak > limit:
+    if peak > limit:
         raise TrainerError(
             f"the compiled step needs {peak / 2**30:.2f} GiB per device, more than the {limit / 2**30:.2f} "
             f"GiB a {device.device_kind} can allocate here; plan again with the cluster config's "
