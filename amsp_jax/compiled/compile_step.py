@@ -21,6 +21,9 @@ from amsp_jax.step.functions import train_step
 from amsp_jax.step.program import StepProgram, TrainerError
 from amsp_jax.step.state import state_shardings
 
+# XLA's kernel autotuning level; 0 keeps its default tiling for each kernel.
+DEVICELESS_AUTOTUNE_OPTION = "xla_gpu_autotune_level"
+
 
 def lower(program: StepProgram, state: Any, batch: Any) -> jax.stages.Lowered:
     """The lowered (not yet compiled) step for this state and batch structure (shapes suffice)."""
@@ -75,6 +78,9 @@ def compile_step(program: StepProgram, state: Any, batch: Any) -> jax.stages.Com
     # a Client"), so no compile time is long enough to store it.
     least = jax.config.jax_persistent_cache_min_compile_time_secs
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+    # Without the device XLA cannot time a kernel's tilings, and jaxlib >= 0.11 spends half of such a
+    # compile trying them; the schedule, buffers and collectives do not depend on the tiling chosen.
+    options = {**(options or {}), DEVICELESS_AUTOTUNE_OPTION: 0}
     try:
         return compile_scheduled(lowered, options, layout)
     finally:

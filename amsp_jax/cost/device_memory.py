@@ -52,8 +52,9 @@ class Memory:
     A step peaks in one of four places that never overlap, read off the buffer assignments and live
     ranges of steps compiled for GPUs (LLaMA 7B, 13B and 30B at 1,024 A100s; 4-layer LLaMAs of width
     1024 and 2048 on 16 H100s):
-      - `loss`: the saved layer inputs, the gathered leaves outside the layers (the head), the logits
-        and their gradient;
+      - `loss`: the saved layer inputs, the gathered leaves outside the layers (the head; a table the
+        forward only indexes, the input embedding, only where they are held), the logits and their
+        gradient;
       - `backward`, inside the layer loop: the saved inputs, the logits' gradient where the backend
         keeps it (`keeps_logits_gradient`), one layer's backward (`layer_backward`: a blockwise
         attention's tile of scores peaks apart from the rest of the layer), its full-size weight
@@ -387,6 +388,7 @@ def _leaf_sums(axes: AxisPlan, workload: Workload) -> Counter[str]:
                 sums["transposed"] += os_block
         else:
             sums["other_extra"] += (whole - p_block) * gathered_bytes
+            sums["looked_up_extra"] += (whole - p_block) * gathered_bytes if leaf.looked_up else 0
             sums["other_grads"] += g_block
     return sums
 
@@ -415,12 +417,15 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
         stack=not workload.looped_blocks,
     )  # fmt: skip
     other_extra, transposed, first_layer = s["other_extra"], s["transposed"], s["first_layer"]
-    held_other = other_extra if accumulating or prefetch else 0
+    held = accumulating or prefetch
+    held_other = other_extra if held else 0
+    # Gathered once and not held, a table the forward only indexes is dead after the lookup.
+    at_loss = other_extra if held else other_extra - s["looked_up_extra"]
     # A kept first layer is held through every micro-batch: priced with the activations, which are
     # priced per batching, since it is the same whatever the placement.
     peaks = {
         "loss": Peak(
-            gathered=other_extra + s["fp32_copies"], grads=accumulation, p_with_os=transposed,
+            gathered=at_loss + s["fp32_copies"], grads=accumulation, p_with_os=transposed,
             activations=saved + logits + first_layer + fused_loss,
         ),
         "backward": Peak(

@@ -211,11 +211,13 @@ class _Problem:
             backward += (fp32 - other_fp32 + other_single) / GIB * accumulator
             loss += terms.p_other_memory[(q, pi)] / GIB * z[("P", q, pi)]
             backward += terms.p_layer_memory[(q, pi)] / GIB * z[("P", q, pi)]
-            if terms.p_other_memory[(q, pi)]:
+            other, lookup = terms.p_other_memory[(q, pi)], terms.p_lookup_memory[(q, pi)]
+            if other or lookup:
                 kept = self.product(f"ko_{q}_{pi}")
                 prob += kept >= z[("P", q, pi)] - no_accumulator
                 prob += kept >= z[("P", q, pi)] + prefetching - 1  # never both: the loop needs M = 1
-                backward += terms.p_other_memory[(q, pi)] / GIB * kept
+                loss += lookup / GIB * kept
+                backward += (other + lookup) / GIB * kept
             if terms.p_layer_memory[(q, pi)]:
                 ahead = self.product(f"pf_{q}_{pi}")
                 prob += ahead >= z[("P", q, pi)] + prefetching - 1

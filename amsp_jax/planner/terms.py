@@ -75,7 +75,8 @@ class Terms:
     # Memory (`cost.Memory`): the model states and each peak's terms, by what they depend on.
     p_memory: dict[Key, float]  # the stored P blocks
     p_layer_memory: dict[Key, float]  # one layer's gathered weights beyond the shard
-    p_other_memory: dict[Key, float]  # the other leaves gathered beyond their shards
+    p_other_memory: dict[Key, float]  # the other leaves gathered beyond their shards, at the loss
+    p_lookup_memory: dict[Key, float]  # of those, tables only indexed: gathered at the loss where held
     g_memory: dict[tuple[Placement, int, bool], float]  # G blocks (accumulating: fp32)
     g_other_memory: dict[tuple[Placement, int, bool], float]  # of them, the other leaves'
     os_memory: dict[Key, float]  # master and moments
@@ -155,6 +156,7 @@ class Terms:
         layer, other = self.p_layer_memory[(s.params, pi)], self.p_other_memory[(s.params, pi)]
         accumulation = grads if acc else 0.0
         prefetch = self.request.prefetches(m, r)
+        other += self.p_lookup_memory[(s.params, pi)] if acc or prefetch else 0.0
         act = self.activation_peaks[(b, r)]
         pair = self.pair_memory.get((s.params, s.opt_state, pi), {})
         peaks = {
@@ -299,7 +301,7 @@ def _state_terms(request: Request, profiles: _Profiles, base: Workload) -> dict[
     """Memory of P, G and OS and their memory passes, from probes whose largest group has profile π,
     with one micro-batch on the checkpointed scan and with two (an accumulator, the other leaves held)."""
     cluster, hardware = request.cluster.cluster(), request.cluster
-    fields = ("p_memory", "p_layer_memory", "p_other_memory", "g_memory", "g_other_memory")
+    fields = ("p_memory", "p_layer_memory", "p_other_memory", "p_lookup_memory", "g_memory", "g_other_memory")
     out: dict[str, dict] = {name: {} for name in (*fields, "os_memory", "os_update_memory", "passes")}
     scanned = request.workload(micro_batches=1, remat="full")
     scanned = scanned.with_(implementation=dataclasses.replace(request.implementation, prefetch=False))
@@ -310,6 +312,7 @@ def _state_terms(request: Request, profiles: _Profiles, base: Workload) -> dict[
         out["p_memory"][(x, pi)] = float(single.param_blocks)
         out["p_layer_memory"][(x, pi)] = float(single.peaks["backward"].gathered)
         out["p_other_memory"][(x, pi)] = float(single.peaks["loss"].gathered)
+        out["p_lookup_memory"][(x, pi)] = float(two.peaks["loss"].gathered - single.peaks["loss"].gathered)
         out["g_memory"][(x, pi, False)] = float(single.grads)
         out["g_memory"][(x, pi, True)] = float(two.grads)
         out["g_other_memory"][(x, pi, False)] = -float(single.peaks["backward"].grads)
@@ -372,8 +375,8 @@ def _lays_out(request: Request, q: Placement, leaves: Iterable[Leaf]) -> bool:
 
 
 _STATE_FIELDS = (
-    "p_memory", "p_layer_memory", "p_other_memory", "g_memory", "g_other_memory", "os_memory",
-    "os_update_memory", "passes", "pair_memory",
+    "p_memory", "p_layer_memory", "p_other_memory", "p_lookup_memory", "g_memory", "g_other_memory",
+    "os_memory", "os_update_memory", "passes", "pair_memory",
 )  # fmt: skip
 
 
