@@ -11,9 +11,11 @@ for 2 nodes × 8 GPUs (no GPU needed).
     JAX_PLATFORMS=cpu .venv/bin/python -m benchmarks.memory_matrix                     # CPU-compiled
     JAX_PLATFORMS=cpu .venv/bin/python -m benchmarks.memory_matrix --target h100-sxm   # GPU-compiled
     JAX_PLATFORMS=cpu .venv/bin/python -m benchmarks.memory_matrix --tensor [--target h100-sxm]
+    JAX_PLATFORMS=cpu .venv/bin/python -m benchmarks.memory_matrix --users --target h100-sxm
 
 `--tensor` runs the tensor-parallel matrix instead (`tensor_matrix`: t = 2 and 4, sequence parallelism
-on and off, beside the same shapes without a tensor axis).
+on and off, beside the same shapes without a tensor axis); `--users` the shipped 1B-class models at
+their full depth (`users_matrix`).
 
 writes a dated benchmarks/results/memory_matrix_<backend>_<date>.md (and .json) with every case.
 """
@@ -190,6 +192,26 @@ def tensor_matrix(gpu: bool) -> list[Case]:
     return cases
 
 
+def users_matrix() -> list[Case]:
+    """Shipped models at their full depth, as GPU users train them: LLaMA-1B (vocabulary 32,000),
+    Llama-3.2-1B's shape (`llama3-1b`, 128,256) and a 1.5B with 151,936, whose embedding and head are
+    a large share of the step, at 1,024-8,192 tokens, one to four micro-batches, mixed precision (one
+    fp32 case) and every placement kind."""
+    rows = [
+        ("llama3-1b", 2048, 1, "full", "mixed", "zero3"), ("llama3-1b", 2048, 2, "none", "mixed", "mics"),
+        ("llama3-1b", 4096, 2, "full", "mixed", "zero1"), ("llama3-1b", 8192, 1, "dots", "mixed", "zero2"),
+        ("llama3-1b", 4096, 4, "full", "mixed", "p=4x1,g=4x1,os=4x2"),
+        ("llama-1b", 2048, 1, "dots", "mixed", "zero3"),
+        ("llama-1b", 4096, 4, "full", "mixed", "p=4x1,g=4x1,os=4x2"),
+        ("llama-1b", 8192, 1, "full", "mixed", "zero3"), ("llama-1b", 2048, 1, "none", "mixed", "zero2"),
+        ("llama-1b", 1024, 2, "full", "fp32", "zero3"), ("llama-1b", 2048, 2, "full", "mixed", "zero1"),
+        ("llama-1.5b", 4096, 1, "full", "mixed", "zero3"), ("llama-1.5b", 2048, 2, "full", "mixed", "mics"),
+        ("llama-1.5b", 8192, 1, "dots", "mixed", "p=4x1,g=4x1,os=4x2"),
+    ]  # fmt: skip
+    return [Case(model, seq, 1, m, remat, precision, strategy) for model, seq, m, remat, precision, strategy
+            in rows]  # fmt: skip
+
+
 def row(case: Case, compiled: int, memory: cost.Memory, seconds: float | None) -> dict[str, Any]:
     return {
         **dataclasses.asdict(case),
@@ -210,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         "--target", help="compile for this GPU (h100-sxm, a100-sxm-80); default: the CPU mesh"
     )
     parser.add_argument("--tensor", action="store_true", help="the tensor-parallel matrix (`tensor_matrix`)")
+    parser.add_argument("--users", action="store_true", help="shipped 1B-class models (`users_matrix`)")
     parser.add_argument("--only", default="", help="only cases whose name contains each comma-separated part")
     parser.add_argument("--max-seq", type=int, default=8192, help="skip cases with longer sequences")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
@@ -232,9 +255,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.compiled_with:
         xla_backend.JAXLIB = args.compiled_with  # predict what that version's XLA holds
     parts = [p for p in args.only.split(",") if p]
-    generated = tensor_matrix(bool(args.target)) if args.tensor else matrix()
+    generated = users_matrix() if args.users else matrix()
+    generated = tensor_matrix(bool(args.target)) if args.tensor else generated
     cases = [c for c in generated if c.seq <= args.max_seq and all(p in c.name for p in parts)]
-    backend = (args.target or "cpu8") + ("-tensor" if args.tensor else "")
+    backend = (args.target or "cpu8") + ("-tensor" if args.tensor else "-users" if args.users else "")
     if args.shard:
         index, count = map(int, args.shard.split("/"))
         cases = cases[index::count]

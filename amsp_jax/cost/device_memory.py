@@ -66,8 +66,9 @@ class Memory:
         buffer laid out along the gathered dimension, then copied into place; G is dead by then.
     With micro-batches, or in the explicit-prefetch loop, the leaves outside the layers stay gathered
     through the backward; with micro-batches the accumulator sits beside one micro-batch's gradient
-    throughout, and a kept first layer (`schedule.keeps_first_layer`) and its fp32 gradient sums stay
-    beside both peaks of the micro-batches. Where P is cast from the master and gathered along a
+    (at the loss only the other leaves': the layers' start with their backward), and a kept first
+    layer (`schedule.keeps_first_layer`) and its fp32 gradient sums stay beside both peaks of the
+    micro-batches. Where P is cast from the master and gathered along a
     dimension other than a layer's major one, XLA keeps a transposed copy of the master block through
     the forward and backward passes. The same peaks hold for steps compiled for the CPU (the shipped
     `tiny` and `small` models at 128-1,024 tokens) with the backend's own buffers: fp32 activations
@@ -410,8 +411,10 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
         saved += layers * s["layer_full"]
     accumulating = schedule.accumulates(workload.micro_batches)
     # With an accumulator one micro-batch's gradient (fp32, G's size) sits beside it; without one
-    # the micro-batch's gradient is G. The leaves outside the layers get theirs after the layers.
+    # the micro-batch's gradient is G. The leaves outside the layers get theirs after the layers in the
+    # backward; at the loss only the head's has begun, the layers' gradients start with their backward.
     accumulation = grads if accumulating else 0
+    accumulation_at_loss = s["other_grads"] if accumulating else 0
     prefetch = schedule.uses_prefetch(
         workload.micro_batches, workload.remat, layers, workload.implementation.prefetch,
         stack=not workload.looped_blocks,
@@ -425,7 +428,7 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
     # priced per batching, since it is the same whatever the placement.
     peaks = {
         "loss": Peak(
-            gathered=at_loss + s["fp32_copies"], grads=accumulation, p_with_os=transposed,
+            gathered=at_loss + s["fp32_copies"], grads=accumulation_at_loss, p_with_os=transposed,
             activations=saved + logits + first_layer + fused_loss,
         ),
         "backward": Peak(

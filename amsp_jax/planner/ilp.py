@@ -206,7 +206,7 @@ class _Problem:
             accumulator = self.product(f"acc_{q}_{pi}")
             prob += accumulator >= z[("G", q, pi)] - no_accumulator
             grads += single / GIB * z[("G", q, pi)] + (fp32 - single) / GIB * accumulator
-            loss += fp32 / GIB * accumulator
+            loss += other_fp32 / GIB * accumulator
             backward += -other_single / GIB * z[("G", q, pi)]
             backward += (fp32 - other_fp32 + other_single) / GIB * accumulator
             loss += terms.p_other_memory[(q, pi)] / GIB * z[("P", q, pi)]

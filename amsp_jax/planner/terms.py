@@ -159,8 +159,9 @@ class Terms:
         other += self.p_lookup_memory[(s.params, pi)] if acc or prefetch else 0.0
         act = self.activation_peaks[(b, r)]
         pair = self.pair_memory.get((s.params, s.opt_state, pi), {})
+        at_loss = self.g_other_memory[(s.grads, pi, True)] if acc else 0.0
         peaks = {
-            "loss": held + grads + other + accumulation + act["loss"],
+            "loss": held + grads + other + at_loss + act["loss"],
             "backward": held
             + grads
             + (3 if prefetch else 1) * layer
