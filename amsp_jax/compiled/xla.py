@@ -191,8 +191,8 @@ KERNEL_LAUNCH_SECONDS = 2e-6
 def scheduling_profile(hlo_text: str, hardware: ClusterConfig, node_of_device: Sequence[int]) -> str:
     """The text of a `ProfiledInstructionsProto` that prices every instruction of a compiled program with
     the cost model's hardware (`hlo.instruction_seconds`): collectives at `hardware`'s bandwidth and
-    latency for their kind, group and nodes, kernels by a roofline at its sustained FLOP/s and HBM
-    bandwidth.
+    latency for their kind, group and nodes (a collective-permute as one ring step, `permute_seconds`),
+    kernels by a roofline at its sustained FLOP/s and HBM bandwidth.
 
     Without it, XLA:GPU's scheduler prices every collective alike and every kernel by its kind alone
     (on jaxlib >= 0.11, whose analytical estimator aborts on this step): a few elementwise kernels then

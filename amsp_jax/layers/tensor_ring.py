@@ -18,7 +18,10 @@ The column form's weight gradient reads the blocks kept from the forward ring (a
 the gathered input), or recomputed with it under remat. Each ring thus moves t - 1 blocks per pass,
 forward and backward, and nothing else. Block products that share a kernel and no transfer are ordered
 one after another (`_after`, and the column form's custom backward), else XLA merges them into one
-product that no transfer can run beside.
+product that no transfer can run beside. From jaxlib 0.11 (`_kept_apart`) XLA also merges products
+that wait for different transfers, and fuses the add of an arrived sum into the next product: there the
+column ring's forward products (from three blocks on) and the row ring's backward products are ordered
+as they arrive, and a product added to an arrived sum is a kernel of its own (`_alone`).
 """
 
 from __future__ import annotations
