@@ -1,7 +1,8 @@
-"""How much of the ring form's transfers XLA hides at t = 4, and which options change it: the share of
+"""How much of the ring form's transfers XLA hides, and which options change it: the share of
 collective-permute bytes with a gemm between start and done in the program compiled for 2 nodes of 8
 H100s (LLaMA 2,048 wide, sequence 2,048, `t=4,zero3`, remat full, mixed), with the step's own XLA
-options and with one changed at a time, and the exposed permutes by where they come from.
+options and with one changed at a time, then at t = 2 and 8 with the step's options, and the exposed
+permutes by where they come from.
 
     python -m benchmarks.ring_overlap [--out benchmarks/results]
 
@@ -38,6 +39,8 @@ VARIANTS: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any] | None]]] = 
     ("four collectives in flight", lambda o: o | {LIMIT: 4} if LIMIT in o else None),
     ("no analytical latency estimator", lambda o: _without(o, ESTIMATOR)),
 ]
+# (tensor degree, variant): every variant at t = 4, the step's options at the other degrees in a node
+CASES = [(4, variant) for variant in VARIANTS] + [(t, VARIANTS[0]) for t in (2, 8)]
 
 
 def where(op_name: str) -> str:
@@ -53,12 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     jaxlib = metadata.version("jaxlib")
     lines = [
-        results_file.header(f"Ring-form overlap at t = 4 compiled for H100s, jaxlib {jaxlib}"),
-        "| XLA options | permute bytes hidden | all | hidden | exposed permutes by where |",
-        "|---|---:|---:|---:|---|",
+        results_file.header(f"Ring-form overlap compiled for H100s, jaxlib {jaxlib}"),
+        "| t | XLA options | permute bytes hidden | all | hidden | exposed permutes by where |",
+        "|---:|---|---:|---:|---:|---|",
     ]
     original = compile_step.compiler_options
-    for name, change in VARIANTS:
+    for degree, (name, change) in CASES:
         skipped: list[bool] = []
 
         def options(*a: Any, change: Callable = change, skipped: list = skipped, **k: Any) -> Any:
@@ -69,11 +72,11 @@ def main(argv: list[str] | None = None) -> int:
 
         compile_step.compiler_options = options
         try:
-            _, report = run_case("h100-sxm", "wide", "t=4,zero3", True, 1, "full", "mixed", "ring")
+            _, report = run_case("h100-sxm", "wide", f"t={degree},zero3", True, 1, "full", "mixed", "ring")
         finally:
             compile_step.compiler_options = original
         if any(skipped):
-            lines.append(f"| {name} | - | - | - | (not an option of this jaxlib's step) |")
+            lines.append(f"| {degree} | {name} | - | - | - | (not an option of this jaxlib's step) |")
             continue
         hidden, total = report.measured.hidden_bytes("collective-permute")
         measured = report.measured
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             if c.kind == "collective-permute" and not o.hidden
         )  # fmt: skip
         parts = ", ".join(f"{k} x{n}" for k, n in sorted(exposed.items()))
-        lines.append(f"| {name} | {hidden:,} | {total:,} | {hidden / total:.1%} | {parts} |")
+        lines.append(f"| {degree} | {name} | {hidden:,} | {total:,} | {hidden / total:.1%} | {parts} |")
         print(lines[-1], flush=True)
     lines += ["", "The step's XLA options: `amsp_jax.compiled.xla.compiler_options`."]
     stem = results_file.dated_stem(args.out, "ring_overlap", f"h100x16-compiled-jaxlib{jaxlib}")

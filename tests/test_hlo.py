@@ -456,3 +456,21 @@ def test_instruction_seconds_prices_kernels_by_a_roofline_collectives_by_the_cal
     body = gemm + 5e-6 + seconds["next"]
     assert seconds["loop"] == pytest.approx(3 * (body + seconds["lt"]))
     assert seconds["next"] == pytest.approx(launch + 3 * 4 / memory_rate)
+
+
+def test_instruction_seconds_names_each_instruction_as_xla_scheduled_it():
+    # After scheduling, XLA makes a permute with nothing to overlap synchronous: a new instruction that
+    # keeps the scheduled start's name in its metadata (as jaxlib 0.12 prints it), which is the name a
+    # later compile's scheduler looks up in the profile.
+    text = """HloModule renamed, is_scheduled=true
+
+ENTRY %main (x: bf16[512,2048]) -> bf16[512,2048] {
+  %x = bf16[512,2048]{1,0} parameter(0), metadata={scheduling_name="x"}
+  ROOT %ppermute.3 = bf16[512,2048]{1,0} collective-permute(%x), channel_id=1,
+    source_target_pairs={{0,1},{1,0}}, metadata={op_name="jit(step)/ppermute"
+    scheduling_name="collective-permute-start.7" stack_frame_id=3},
+    backend_config={"collective_backend_config":{"is_sync":true}}
+}
+"""
+    seconds = instruction_seconds(text, 2, lambda c: 5e-6, 1e12, 1e11, 1e-6)
+    assert seconds == {"x": 0.0, "collective-permute-start.7": 5e-6}

@@ -18,7 +18,10 @@ The column form's weight gradient reads the blocks kept from the forward ring (a
 the gathered input), or recomputed with it under remat. Each ring thus moves t - 1 blocks per pass,
 forward and backward, and nothing else. Block products that share a kernel and no transfer are ordered
 one after another (`_after`, and the column form's custom backward), else XLA merges them into one
-product that no transfer can run beside.
+product that no transfer can run beside. From jaxlib 0.11 (`_kept_apart`) XLA also merges products
+that wait for different transfers, and fuses the add of an arrived sum into the next product: there the
+column ring's forward products (from three blocks on) and the row ring's backward products are ordered
+as they arrive, and a product added to an arrived sum is a kernel of its own (`_alone`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+
+from amsp_jax.core.backend import ANALYTICAL_ESTIMATOR_BEFORE
 
 SEQUENCE_DIM = 1  # activations are (batch, sequence, ...)
 Matmul = Callable[[jax.Array, jax.Array], jax.Array]
@@ -35,6 +40,11 @@ Blocks = list[jax.Array]  # in arrival order: the k-th is rank (rank + k) % t's 
 def _shift(x: jax.Array, axis: str, degree: int) -> jax.Array:
     """`x` sent to the previous rank of the ring: after k shifts rank i holds rank (i + k) % t's."""
     return jax.lax.ppermute(x, axis, [(j, (j - 1) % degree) for j in range(degree)])
+
+
+def _unshift(x: jax.Array, axis: str, degree: int) -> jax.Array:
+    """`x` sent to the next rank of the ring: `_shift`'s transpose."""
+    return jax.lax.ppermute(x, axis, [(j, (j + 1) % degree) for j in range(degree)])
 
 
 def _block(x: jax.Array, index: jax.Array, size: int) -> jax.Array:
@@ -53,6 +63,21 @@ def _after(x: jax.Array, other: jax.Array) -> jax.Array:
     """`x`, available only once `other` is: keeps XLA from merging a ring's block products into one
     (they share the kernel), which would leave no product to run beside the next transfer."""
     return jax.lax.optimization_barrier((x, other))[0]
+
+
+def _kept_apart() -> bool:
+    """Whether this XLA needs a ring's block products kept apart (`_after`, `_alone`): from jaxlib 0.11
+    it merges a column ring's products into one and fuses a row ring's adds into its gemms."""
+    # jaxlib < 0.11: XLA does neither, and its analytical estimator (`ANALYTICAL_ESTIMATOR_BEFORE`) hides
+    # fewer transfers with the barriers that keep them apart.
+    return tuple(jax.__version_info__[:2]) >= ANALYTICAL_ESTIMATOR_BEFORE
+
+
+def _alone(product: jax.Array) -> jax.Array:
+    """`product`, computed by a kernel of its own: keeps XLA from fusing the add of a transfer's result
+    into the gemm as its epilogue, which would make the gemm wait for that transfer instead of running
+    beside it."""
+    return jax.lax.optimization_barrier(product)
 
 
 def gather_matmul(blocks: Blocks, kernel: jax.Array, matmul: Matmul, axis: str, degree: int) -> jax.Array:
@@ -74,7 +99,14 @@ def gather_matmul(blocks: Blocks, kernel: jax.Array, matmul: Matmul, axis: str, 
 
     @jax.custom_vjp
     def ring(arrays: list[jax.Array], kernel: jax.Array) -> jax.Array:
-        return place([matmul(block, kernel) for block in arrays])
+        # Two blocks have one transfer, which the barrier would leave XLA's scheduler putting before
+        # block 0's product rather than beside it.
+        if not apart or degree < 3:
+            return place([matmul(block, kernel) for block in arrays])
+        products = [matmul(arrays[0], kernel)]
+        for block in arrays[1:]:  # in arrival order: else XLA merges them into one that waits for the last
+            products.append(matmul(_after(block, products[-1]), kernel))
+        return place(products)
 
     def backward(saved, ct):  # type: ignore[no-untyped-def]
         arrays, kernel = saved
@@ -86,21 +118,52 @@ def gather_matmul(blocks: Blocks, kernel: jax.Array, matmul: Matmul, axis: str, 
             if step < degree - 1:
                 ct_block = _after(ct_block, grads[step + 1])
             _, pull = jax.vjp(matmul, arrays[step], kernel)
-            grads[step], dk_step = pull(ct_block)
+            grad, dk_step = pull(ct_block)
+            grads[step] = _alone(grad) if apart else grad  # added to the transposed ring's sum on arrival
             dk = dk + dk_step
         return grads, dk
 
+    apart = _kept_apart()
     ring.defvjp(lambda arrays, kernel: (ring(arrays, kernel), (arrays, kernel)), backward)
     return ring(blocks, kernel)
 
 
 def matmul_scatter(x: jax.Array, kernel: jax.Array, matmul: Matmul, axis: str, degree: int) -> jax.Array:
     """This rank's sequence block of `matmul(x, kernel)` summed over the group: at step k a rank adds its
-    partial product for block (rank + k + 1) % t to the running sum it received and passes it on."""
-    rank = jax.lax.axis_index(axis)
+    partial product for block (rank + k + 1) % t to the running sum it received and passes it on.
+    Backward, the output gradient travels the ring the other way, and each block's gradients are
+    computed after the previous arrival's (else XLA merges them into one product that waits for the
+    last transfer)."""
     size = x.shape[SEQUENCE_DIM] // degree
-    total = matmul(_block(x, (rank + 1) % degree, size), kernel)
-    for step in range(1, degree):
-        block = _after(_block(x, (rank + step + 1) % degree, size), total)
-        total = _shift(total, axis, degree) + matmul(block, kernel)
-    return total
+    apart = _kept_apart()
+
+    def index(step: int) -> jax.Array:  # the block a rank multiplies at `step`, traced where used
+        return (jax.lax.axis_index(axis) + step + 1) % degree
+
+    def scatter(x: jax.Array, kernel: jax.Array) -> jax.Array:
+        total = matmul(_block(x, index(0), size), kernel)
+        for step in range(1, degree):
+            block = _after(_block(x, index(step), size), total)
+            product = matmul(block, kernel)
+            total = _shift(total, axis, degree) + (_alone(product) if apart else product)
+        return total
+
+    def backward(saved, ct):  # type: ignore[no-untyped-def]
+        x, kernel = saved
+        dx, dk = jax.lax.full_like(x, 0), jax.lax.full_like(kernel, 0)
+        previous = None
+        for step in reversed(range(degree)):
+            if step < degree - 1:
+                ct = _unshift(ct, axis, degree)
+            arrived = ct if previous is None else _after(ct, previous)
+            _, pull = jax.vjp(matmul, _block(x, index(step), size), kernel)
+            previous, dk_step = pull(arrived)
+            dx = jax.lax.dynamic_update_slice_in_dim(dx, previous, index(step) * size, axis=SEQUENCE_DIM)
+            dk = dk + dk_step
+        return dx, dk
+
+    if not apart:
+        return scatter(x, kernel)
+    ring = jax.custom_vjp(scatter)
+    ring.defvjp(lambda x, kernel: (ring(x, kernel), (x, kernel)), backward)
+    return ring(x, kernel)

@@ -17,6 +17,7 @@ from amsp_jax.compiled.hlo.text import (
     dims,
     operand_shape,
     parse_module,
+    scheduling_name,
 )
 
 # Instructions that launch no kernel: they name, slice or join buffers, or end an async pair.
@@ -98,7 +99,7 @@ class _Pricer:
             spent = sum(self.total(c) * (n or 1) for c, n in callee_runs(ins, comp, self.computations))
         else:
             spent = self.kernel(ins, self.computations[comp])
-        self.seconds[ins.name] = spent
+        self.seconds[scheduling_name(ins)] = spent
         return spent
 
 
@@ -110,8 +111,9 @@ def instruction_seconds(
     memory_rate: float,
     launch_seconds: float,
 ) -> dict[str, float]:
-    """Seconds of every instruction of a compiled module, by name: what XLA's latency-hiding scheduler
-    reads from a profile (`amsp_jax.compiled.xla.scheduling_profile`).
+    """Seconds of every instruction of a compiled module, by the name XLA's latency-hiding scheduler knew it
+    by (`text.scheduling_name`): what that scheduler reads from a profile of a later compile of the same
+    program (`amsp_jax.compiled.xla.scheduling_profile`).
 
     A collective (one execution): `collective_seconds` of it. A loop: its body's seconds times its trip
     count; a call, a branch or an async wrapper: the seconds of what it runs. Any other kernel: a launch

@@ -28,6 +28,7 @@ _INSTRUCTION_START = re.compile(
 _COMPUTATION_START = re.compile(r"^\s*(ENTRY\s+)?%?([A-Za-z_][\w.\-]*)[^=]*\{\s*$")
 # XLA prints `/*index=5*/` before every fifth element of long tuples and operand lists.
 _COMMENT = re.compile(r"/\*.*?\*/")
+_SCHEDULING_NAME = re.compile(r'\bscheduling_name="([^"]+)"')
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,14 @@ def parse_module(hlo_text: str) -> tuple[dict[str, dict[str, Instruction]], str]
     if not entry:
         raise ValueError("no ENTRY computation in the HLO text")
     return computations, entry
+
+
+def scheduling_name(ins: Instruction) -> str:
+    """The name XLA's latency-hiding scheduler knew `ins` by: passes after it rename some instructions
+    (one that makes a collective with nothing to overlap synchronous replaces its start and done with a
+    new instruction) and keep the old name in the metadata's `scheduling_name`."""
+    found = _SCHEDULING_NAME.search(ins.attrs.get("metadata", ""))
+    return found.group(1) if found else ins.name
 
 
 def names(value: str) -> list[str]:
