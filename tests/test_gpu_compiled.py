@@ -323,16 +323,16 @@ def test_every_collective_in_the_layer_loops_has_compute_between_start_and_done(
 
 @needs_compiler
 @pytest.mark.slow
-def test_a_split_gradient_reduce_scatter_leaves_its_inter_node_stage_exposed_and_the_audit_names_it():
-    # zero3 with G over both nodes, split: the intra-node reduce-scatter takes the layer's gemms, and
-    # the inter-node one over its result (1/8 of the bytes, data-dependent on it) comes after them with
-    # only elementwise kernels between, under either scheduler (jaxlib 0.10's analytical estimator, or
-    # the profile from 0.11). Every other looped collective is hidden; the audit names that one stage.
+def test_a_split_zero3_steps_exposed_looped_collectives_are_the_known_ones_and_named():
+    # zero3 with G over both nodes, split. Under jaxlib 0.10's analytical estimator the intra-node
+    # reduce-scatter takes the layer's gemms, and the inter-node one over its result (1/8 of the bytes,
+    # data-dependent on it) comes after them with only elementwise kernels between. Scheduled with the
+    # profile (jaxlib >= 0.11) that stage is hidden, and an inter-node gather and an intra-node
+    # reduce-scatter are left without a gemm instead. The audit names each exposed one.
     r = report("h100-sxm", "zero3", 1, DEEP, True)
     exposed = {(c.kind, level) for c, level, o in looped_overlaps(r) if not o.hidden}
-    hidden = {(c.kind, level) for c, level, o in looped_overlaps(r) if o.hidden}
-    assert exposed == {("reduce-scatter", "inter")}, exposed
-    assert {("all-gather", "intra"), ("all-gather", "inter"), ("reduce-scatter", "intra")} <= hidden, hidden
+    profiled = {("all-gather", "inter"), ("reduce-scatter", "intra")}
+    assert exposed == (profiled if PROFILED else {("reduce-scatter", "inter")}), exposed
     named = {e["name"] for e in r.measured.overlap_summary()["exposed"]}
     assert {c.name for c, level, o in looped_overlaps(r) if not o.hidden} <= named
 
