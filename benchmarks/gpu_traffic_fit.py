@@ -27,9 +27,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jaxlib
 import numpy as np
 
 from amsp_jax import cost
+from amsp_jax.core import backend
 from amsp_jax.cost import memory_traffic
 from amsp_jax.models.llama import LlamaConfig
 from benchmarks import results_file
@@ -114,7 +116,7 @@ def yaml_text(coefficients: dict[str, float], source: str) -> str:
         "# amsp_jax/cost/memory_traffic.py (its docstring derives the terms), fitted on probe steps",
         "# compiled for H100s without a GPU (no measured time enters them). Source:",
         *(f"# {line}" for line in source.splitlines()),
-        "name: xla-gpu",
+        f"name: {backend.traffic_form()}",
         "coefficients:",
     ]
     lines += [f"  {name}: {coefficients[name]:.4g}" for name in memory_traffic.TERMS if "." not in name]
@@ -161,9 +163,14 @@ def main() -> int:
             f"| {dim} | {layers} | {vocab} | {seq} | {batch} | {row['devices']} | {row['strategy']} "
             f"| {row['micro_batches']} | {row['remat']} | {row['compiled'] / 1e9:.3f} | {ratio:.3f} |"
         )
-    source = f"`python -m benchmarks.gpu_traffic_fit`, {time.strftime('%Y-%m-%d')}, {stem.name}.md"
+    command = "python -m benchmarks.gpu_traffic_fit" + (f" --probes {args.probes}" if args.probes else "")
+    source = (
+        f"`{command}`, {time.strftime('%Y-%m-%d')}, jax/jaxlib {jaxlib.__version__}, CPU-only host; "
+        f"results: benchmarks/results/{stem.name}.md"
+    )
     text = yaml_text(coefficients, source)
-    lines += ["", "The coefficients (`amsp_jax/configs/traffic/xla-gpu.yaml`):", "", "```yaml", text + "```",
+    config = f"amsp_jax/configs/traffic/{backend.traffic_form()}.yaml"
+    lines += ["", f"The coefficients (`{config}`):", "", "```yaml", text + "```",
               "", f"{time.perf_counter() - began:.0f} s on this machine."]  # fmt: skip
     stem.with_suffix(".json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -4,6 +4,7 @@ its bytes against the compiled programs of shapes and placements it was not fitt
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -16,6 +17,7 @@ from jax.sharding import NamedSharding
 import amsp_jax as aj
 from amsp_jax import cost
 from amsp_jax.compiled import audit, gpu_target, hlo
+from amsp_jax.core import backend
 from amsp_jax.core.mesh import batch_spec
 from amsp_jax.cost import memory_traffic, timing
 from amsp_jax.cost.hardware import from_dict, load
@@ -45,11 +47,15 @@ def test_the_bandwidth_is_the_fastest_pass_the_profile_measured():
     assert memory_traffic.bandwidth(h200) == pytest.approx(3.1073e12)
 
 
-def test_the_shipped_form_has_every_term_and_says_where_it_was_fitted():
-    form = memory_traffic.shipped()
-    assert set(form.coefficients) == set(memory_traffic.TERMS)
-    text = (Path(memory_traffic.__file__).parent.parent / "configs/traffic/xla-gpu.yaml").read_text()
-    assert "benchmarks.gpu_traffic_fit" in text and "gpu_traffic_fit_h100-compiled_" in text
+def test_each_shipped_form_has_every_term_and_says_on_which_jaxlib_it_was_fitted():
+    assert set(memory_traffic.shipped().coefficients) == set(memory_traffic.TERMS)
+    for (major, minor), name in backend.TRAFFIC_FORMS:
+        path = Path(memory_traffic.__file__).parent.parent / "configs" / "traffic" / f"{name}.yaml"
+        assert set(memory_traffic.load(path).coefficients) == set(memory_traffic.TERMS)
+        text = path.read_text()
+        assert "benchmarks.gpu_traffic_fit" in text and "gpu_traffic_fit_h100-compiled_" in text
+        fitted_on = re.search(r"jax/jaxlib (\d+)\.(\d+)", text)
+        assert fitted_on and (int(fitted_on[1]), int(fitted_on[2])) >= (major, minor), name
 
 
 # Not among benchmarks/gpu_traffic_fit.py's probe shapes: another width, depth, vocabulary and sequence.

@@ -90,3 +90,16 @@ def hoists_loop_invariant_permutes(platform: str) -> bool:
     kernel's block, outside the layers) out of the micro-batch loop: XLA:CPU does; XLA:GPU keeps it
     in the loop."""
     return platform == "cpu"
+
+
+# The shipped GPU traffic forms (`amsp_jax.cost.memory_traffic`), by the oldest jaxlib each stands for:
+# XLA's fusions, and so the bytes its memory-bound kernels touch, change between releases.
+TRAFFIC_FORMS = (((0, 0), "xla-gpu"), ((0, 12), "xla-gpu-jaxlib0.12"))
+
+
+def traffic_form(jaxlib: str | None = None) -> str:
+    """The name of the shipped GPU traffic form fitted on programs of this jaxlib's XLA (`TRAFFIC_FORMS`):
+    the form fitted on jaxlib 0.10.2 predicts 0.83 of what a 0.12.0.1 program's kernels touch
+    (benchmarks/results/test_suite_versions_cpu2_20261128-1214.md)."""
+    version = _version(jaxlib)
+    return [name for since, name in TRAFFIC_FORMS if version >= since][-1]

@@ -42,7 +42,7 @@ from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 
-from amsp_jax.core import config_files
+from amsp_jax.core import backend, config_files
 from amsp_jax.cost.bandwidth import ClusterConfigError
 from amsp_jax.cost.hardware import ClusterConfig
 from amsp_jax.cost.workload import FP32, Workload
@@ -52,7 +52,6 @@ WIDTHS = ("dim", "ffn", "kv")
 BLOCK_TERMS = ("params", "grads", "opt_state", "grads_reduced")
 """The terms that depend on the P, G and OS placements."""
 TERMS = (*BLOCK_TERMS, "weights", "logits", *(f"{r}.{w}" for r in REMATS for w in WIDTHS))
-SHIPPED = "xla-gpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,9 +137,11 @@ def from_dict(values: Mapping[str, object], where: str) -> TrafficForm:
 
 
 def load(path: str | Path | None = None) -> TrafficForm:
-    """The traffic form of a YAML file, by default the shipped `configs/traffic/xla-gpu.yaml`."""
+    """The traffic form of a YAML file, by default the shipped one fitted on the installed jaxlib's XLA
+    (`backend.traffic_form`: `configs/traffic/xla-gpu.yaml` before jaxlib 0.12)."""
     if path is None:
-        with resources.as_file(resources.files("amsp_jax") / "configs" / "traffic" / f"{SHIPPED}.yaml") as p:
+        name = backend.traffic_form()
+        with resources.as_file(resources.files("amsp_jax") / "configs" / "traffic" / f"{name}.yaml") as p:
             return load(p)
     values = config_files.read_mapping(Path(path), ClusterConfigError, "traffic coefficients")
     return from_dict(values, str(path))
