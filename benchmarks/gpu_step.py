@@ -38,6 +38,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ from jax.sharding import NamedSharding
 import amsp_jax as aj
 from amsp_jax import cost
 from amsp_jax.compiled import audit, gpu_target, hlo, xla
-from amsp_jax.core import config_files
+from amsp_jax.core import backend, config_files
 from amsp_jax.core.mesh import batch_spec
 from amsp_jax.cost import timing
 from amsp_jax.cost.hardware import ClusterConfig, from_dict, load
@@ -287,6 +288,18 @@ def reprice_all(paths: list[Path], target: str = "h100-sxm") -> str:
     return "\n".join(lines)
 
 
+@contextmanager
+def compiled_by(report: dict[str, Any]) -> Iterator[None]:
+    """Predict as for the XLA that compiled a recorded run (its `jax`): which GPU traffic form and
+    per-version behaviours apply follows that version, not the one installed here."""
+    installed = backend.JAXLIB
+    backend.JAXLIB = report.get("jax", installed)
+    try:
+        yield
+    finally:
+        backend.JAXLIB = installed
+
+
 def repriced(path: Path, target: str = "h100-sxm") -> tuple[dict[str, Any], str]:
     """A run's report with its model-derived numbers (MFU, predictions) recomputed by today's models and
     its own profile, its measured times kept; the step is rebuilt here for one GPU of `target` (compiled
@@ -304,7 +317,8 @@ def repriced(path: Path, target: str = "h100-sxm") -> tuple[dict[str, Any], str]
         host_batch = make_batch(config, row["global_batch"], report["seq_len"])
         trainer = make_trainer(model, host_batch, row["micro_batches"], row["remat"], device)
         before = (row["mfu"], row["predicted"]["profiled"]["ratio"])
-        row.update(modelled(trainer, host_batch, config, hardware, row["measured_s"]))
+        with compiled_by(report):
+            row.update(modelled(trainer, host_batch, config, hardware, row["measured_s"]))
         ratio = row["predicted"]["profiled"]["ratio"]
         lines.append(
             f"{report['device']}, {report['model']}, batch {row['global_batch']}, M={row['micro_batches']} "
@@ -348,7 +362,8 @@ def planner_choice(report: dict[str, Any]) -> list[tuple[bool, str]]:
                  if row["global_batch"] == batch}  # fmt: skip
         if len(pairs) < 2:
             continue
-        chosen = planner_pick(config, hardware, report["seq_len"], batch, list(pairs))
+        with compiled_by(report):
+            chosen = planner_pick(config, hardware, report["seq_len"], batch, list(pairs))
         fastest = min(pairs, key=pairs.__getitem__)
         ok = pairs[chosen] == pairs[fastest]
         found.append((ok, (

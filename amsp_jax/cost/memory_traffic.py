@@ -140,14 +140,17 @@ def load(path: str | Path | None = None) -> TrafficForm:
     """The traffic form of a YAML file, by default the shipped one fitted on the installed jaxlib's XLA
     (`backend.traffic_form`: `configs/traffic/xla-gpu.yaml` before jaxlib 0.12)."""
     if path is None:
-        name = backend.traffic_form()
-        with resources.as_file(resources.files("amsp_jax") / "configs" / "traffic" / f"{name}.yaml") as p:
-            return load(p)
+        return shipped()
     values = config_files.read_mapping(Path(path), ClusterConfigError, "traffic coefficients")
     return from_dict(values, str(path))
 
 
-@functools.cache
 def shipped() -> TrafficForm:
-    """The shipped form, read once."""
-    return load()
+    """The shipped form for the jaxlib the cost model predicts (`backend.JAXLIB`), each read once."""
+    return _shipped(backend.traffic_form())
+
+
+@functools.cache
+def _shipped(name: str) -> TrafficForm:
+    with resources.as_file(resources.files("amsp_jax") / "configs" / "traffic" / f"{name}.yaml") as p:
+        return load(p)

@@ -131,10 +131,7 @@ def test_every_recorded_pair_is_priced_within_15_percent_and_the_planner_picks_t
         if abs(ratio - 1) > gpu_step.REPRICE_TOLERANCE:
             outside.add((path.stem, row["global_batch"], row["micro_batches"], row["remat"]))
     assert outside == {o for o in OUTSIDE if o[0] == path.stem}
-    profile = gpu_step.from_dict(gpu_step.yaml.safe_load(report["profile"]))
-    config = gpu_step.model_of(report)
-    for batch in {b for b, _, _ in measured}:
-        pairs = {(m, r): s for (b, m, r), s in measured.items() if b == batch}
-        if len(pairs) > 1:
-            chosen = gpu_step.planner_pick(config, profile, report["seq_len"], batch, list(pairs))
-            assert pairs[chosen] == min(pairs.values())
+    # Per global batch with several measured pairs, the planner's choice is the fastest measured one.
+    choices = gpu_step.planner_choice(report)
+    assert len(choices) == len({b for b, _, _ in measured if sum(k[0] == b for k in measured) > 1})
+    assert all(ok for ok, _ in choices), [line for _, line in choices]
