@@ -88,9 +88,10 @@ def keeps_logits_gradient(platform: str, jaxlib: str | None = None, head_outputs
 
     XLA:GPU computes the head's weight gradient after the layers and keeps the logits' gradient for it
     (jaxlib 0.10.2 and 0.12.0.1: Llama-3.2-1B's shape, LLaMA-7B's width and 1,024 wide on 2 × 8 H100s,
-    benchmarks/results/memory_matrix_h100-sxm-users-*_20261201-*). Where jaxlib 0.11 and later split
-    that gemm's contraction (`splits_contraction`: the 64-wide `tiny`), the split gemm runs at the loss
-    and frees the logits' gradient there, as XLA:CPU's schedule does on every version
+    benchmarks/results/memory_gpu_start_and_logits_h100-sxmx16-compiled_20261201-1929.md).
+    Where jaxlib 0.11 and later split that gemm's contraction (`splits_contraction`: the 64-wide
+    `tiny`), the split gemm runs at the loss and frees the logits' gradient there, as XLA:CPU's
+    schedule does on every version
     (benchmarks/results/memory_logits_gradient_h100-sxmx16-compiled_20261128-0157.md).
     """
     if platform == "cpu":
@@ -104,7 +105,7 @@ def writes_logits_gradient_in_place(platform: str, jaxlib: str | None = None) ->
 
     XLA:GPU fuses the softmax's gradient into the kernel that reads the logits and gives its output the
     logits' buffer (jaxlib 0.10.2 and 0.12.0.1: the two at one offset in the buffer assignment,
-    benchmarks/results/memory_gpu_buffers_h100-sxmx16-compiled_20261128-1200.md).
+    benchmarks/results/memory_gpu_start_and_logits_h100-sxmx16-compiled_20261201-1929.md).
     """
     return platform != "cpu"
 
@@ -117,7 +118,9 @@ def layers_gathered_at_start(platform: str, jaxlib: str | None = None) -> int:
     the first layer, and merges into it the gathers that loop peeling and double buffering move out of
     the layer loops, the forward's first layer and the backward's first two, up to its all-gather
     combine threshold (`combine_thresholds`; jaxlib 0.10.2 and 0.12.0.1, Llama-3.2-1B's shape and
-    LLaMA-7B's width on 2 × 8 H100s). XLA:CPU gathers them where they are used.
+    LLaMA-7B's width on 2 × 8 H100s,
+    benchmarks/results/memory_gpu_start_and_logits_h100-sxmx16-compiled_20261201-1929.md).
+    XLA:CPU gathers them where they are used.
     """
     return 0 if platform == "cpu" else 3
 
