@@ -7,10 +7,13 @@ policies and both micro-batch counts, and every (precision, remat, micro-batches
 512 and 8,192 tokens and `tiny` at 1,024 (the blockwise attention in two tiles) add a wider model and
 longer sequences. The H100-compiled cases are a 16-bit step of `tiny` at 1,024 tokens and Llama-3.2-1B's
 shape at its full depth, whose 128,256-token vocabulary makes the embedding and head a large share of
-the step: one micro-batch (the embedding table dead after its lookup) and two with G whole on every
-device (only the head's gradient begun at the loss). Each compiled peak comes from XLA's own memory analysis
-(`compiled.memory_analysis()`), and the prediction must be within 10 % of it. The full matrix (widths
-to LLaMA-7B's, sequences to 8,192, A100s too) is `benchmarks/memory_matrix.py`.
+the step: one micro-batch (the embedding table dead after its lookup, the step's peak before the first
+layer, where every leaf outside the layers is gathered) and two with G whole on every device (only the
+head's gradient begun at the loss); and a 151,936-token vocabulary at 4,096 tokens, where the logits
+are the loss's largest buffer and XLA:GPU writes their gradient over them. Each compiled peak comes
+from XLA's own memory analysis (`compiled.memory_analysis()`), and the prediction must be within 10 %
+of it. The full matrix (widths to LLaMA-7B's, sequences to 8,192, A100s too) is
+`benchmarks/memory_matrix.py`.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ CASES = [
     ("tiny", 1024, "zero3", "mixed", "full", 4, "h100-sxm"),
     ("llama3-1b", 2048, "zero3", "mixed", "full", 1, "h100-sxm"),
     ("llama3-1b", 4096, "zero1", "mixed", "full", 2, "h100-sxm"),
+    ("llama-1.5b", 4096, "zero3", "mixed", "full", 1, "h100-sxm"),
 ]
 
 try:

@@ -66,16 +66,63 @@ def widens_16bit_dots(platform: str, jaxlib: str | None = None) -> bool:
     return platform == "cpu" and _version(jaxlib) < (0, 11)
 
 
-def keeps_logits_gradient(platform: str, jaxlib: str | None = None) -> bool:
-    """Whether the logits' gradient stays live through the layers' backward.
+# XLA:GPU from jaxlib 0.11 splits the contraction of a gemm whose output is too small to fill the GPU
+# into fp32 partial sums: every gemm of the 64-wide `tiny` (the head's weight gradient, 16,384 outputs,
+# in 16 parts), none at widths of 1,024 and more (the head's 4,194,304 outputs whole).
+SPLIT_CONTRACTION_BELOW = 1 << 20
 
-    XLA:GPU scheduled by its analytical estimator (jaxlib < 0.11) computes the head's weight gradient
-    after the layers and keeps the logits' gradient for it. Scheduled with the step's profile
-    (`ANALYTICAL_ESTIMATOR_BEFORE`) it computes that gradient before the layer loop and frees the
-    logits' gradient there, as XLA:CPU's schedule does on every version
+
+def splits_contraction(platform: str, outputs: int, jaxlib: str | None = None) -> bool:
+    """Whether XLA splits a gemm of `outputs` output elements into fp32 partial sums over its
+    contraction (`SPLIT_CONTRACTION_BELOW`); the model does not price the partial sums."""
+    return (
+        platform != "cpu"
+        and _version(jaxlib) >= ANALYTICAL_ESTIMATOR_BEFORE
+        and outputs < SPLIT_CONTRACTION_BELOW
+    )
+
+
+def keeps_logits_gradient(platform: str, jaxlib: str | None = None, head_outputs: int | None = None) -> bool:
+    """Whether the logits' gradient stays live through the layers' backward; `head_outputs`: the
+    elements of the head's weight gradient (one tensor rank's), None for a wide one.
+
+    XLA:GPU computes the head's weight gradient after the layers and keeps the logits' gradient for it
+    (jaxlib 0.10.2 and 0.12.0.1: Llama-3.2-1B's shape, LLaMA-7B's width and 1,024 wide on 2 × 8 H100s,
+    benchmarks/results/memory_gpu_start_and_logits_h100-sxmx16-compiled_20261201-1929.md).
+    Where jaxlib 0.11 and later split that gemm's contraction (`splits_contraction`: the 64-wide
+    `tiny`), the split gemm runs at the loss and frees the logits' gradient there, as XLA:CPU's
+    schedule does on every version
     (benchmarks/results/memory_logits_gradient_h100-sxmx16-compiled_20261128-0157.md).
     """
-    return platform != "cpu" and _version(jaxlib) < ANALYTICAL_ESTIMATOR_BEFORE
+    if platform == "cpu":
+        return False
+    return head_outputs is None or not splits_contraction(platform, head_outputs, jaxlib)
+
+
+def writes_logits_gradient_in_place(platform: str, jaxlib: str | None = None) -> bool:
+    """Whether the loss's backward writes the logits' gradient over the logits, so that the loss holds
+    one logits-sized buffer where XLA:CPU holds two.
+
+    XLA:GPU fuses the softmax's gradient into the kernel that reads the logits and gives its output the
+    logits' buffer (jaxlib 0.10.2 and 0.12.0.1: the two at one offset in the buffer assignment,
+    benchmarks/results/memory_gpu_start_and_logits_h100-sxmx16-compiled_20261201-1929.md).
+    """
+    return platform != "cpu"
+
+
+def layers_gathered_at_start(platform: str, jaxlib: str | None = None) -> int:
+    """How many layers' gathered weights the step holds at the forward's start beside every leaf outside
+    the layers, all gathered at once (0: the backend has no such peak).
+
+    XLA:GPU gathers the leaves outside the layers (the embedding and the head) in one all-gather before
+    the first layer, and merges into it the gathers that loop peeling and double buffering move out of
+    the layer loops, the forward's first layer and the backward's first two, up to its all-gather
+    combine threshold (`combine_thresholds`; jaxlib 0.10.2 and 0.12.0.1, Llama-3.2-1B's shape and
+    LLaMA-7B's width on 2 × 8 H100s,
+    benchmarks/results/memory_gpu_start_and_logits_h100-sxmx16-compiled_20261201-1929.md).
+    XLA:CPU gathers them where they are used.
+    """
+    return 0 if platform == "cpu" else 3
 
 
 def drops_unused_collective(platform: str, kind: str) -> bool:

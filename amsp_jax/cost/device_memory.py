@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from amsp_jax.core import backend, schedule
 from amsp_jax.core.mesh import AxisPlan, LeafLayout
-from amsp_jax.cost.traffic import schedule_leaf
+from amsp_jax.cost.traffic import largest_gather_bytes, schedule_leaf
 from amsp_jax.cost.workload import FP32, Workload
 from amsp_jax.layers.tensor import matmul_form
 from amsp_jax.layers.tensor_cannon import DEGREE as CANNON_BLOCKS
@@ -20,7 +20,7 @@ def _block_elements(axes: AxisPlan, leaf: LeafLayout, component: str) -> int:
     return math.prod(leaf.block_shape(axes, component))
 
 
-PEAKS = ("loss", "backward", "update", "refresh")
+PEAKS = ("start", "loss", "backward", "update", "refresh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +49,14 @@ class Peak:
 class Memory:
     """Predicted bytes per device: the model states, and what the step holds at each of its peaks.
 
-    A step peaks in one of four places that never overlap, read off the buffer assignments and live
+    A step peaks in one of five places that never overlap, read off the buffer assignments and live
     ranges of steps compiled for GPUs (LLaMA 7B, 13B and 30B at 1,024 A100s; 4-layer LLaMAs of width
-    1024 and 2048 on 16 H100s):
+    1024 and 2048 on 16 H100s; 1B-class LLaMAs at full depth on 16 H100s):
+      - `start`, before the first layer, where the backend gathers every leaf outside the layers at
+        once beside the first layers' gathered weights (`backend.layers_gathered_at_start`);
       - `loss`: the saved layer inputs, the gathered leaves outside the layers (the head; a table the
         forward only indexes, the input embedding, only where they are held), the logits and their
-        gradient;
+        gradient (one buffer where the backend writes it over them, `writes_logits_gradient_in_place`);
       - `backward`, inside the layer loop: the saved inputs, the logits' gradient where the backend
         keeps it (`keeps_logits_gradient`), one layer's backward (`layer_backward`: a blockwise
         attention's tile of scores peaks apart from the rest of the layer), its full-size weight
@@ -202,10 +204,11 @@ def attention_kind(workload: Workload) -> str:
     return "cudnn" if cudnn and d.head_dim % 8 == 0 and d.head_dim <= 128 else "blockwise"
 
 
-def keeps_logits_gradient(workload: Workload) -> bool:
+def keeps_logits_gradient(workload: Workload, split: TensorSplit = WHOLE) -> bool:
     """Whether the logits' gradient stays live through the layers' backward
-    (`backend.keeps_logits_gradient`: XLA:GPU before jaxlib 0.11)."""
-    return backend.keeps_logits_gradient(workload.platform)
+    (`backend.keeps_logits_gradient`: XLA:GPU, unless it splits the head's weight-gradient gemm)."""
+    head_outputs = workload.dims.dim * split.units(workload.dims.vocab_size)
+    return backend.keeps_logits_gradient(workload.platform, head_outputs=head_outputs)
 
 
 def logits_bytes(workload: Workload, split: TensorSplit = WHOLE) -> tuple[int, int]:
@@ -213,19 +216,20 @@ def logits_bytes(workload: Workload, split: TensorSplit = WHOLE) -> tuple[int, i
     layers' backward) per micro-batch and device.
 
     Without a tensor axis the loss holds two logits-sized buffers in the activations' dtype (the logits
-    and their gradient). With one, each rank computes its vocabulary slice and gathers the whole logits
-    for the loss, which keeps only the rank's slice of their gradient: the gathered logits beside the
-    gather's input slice, and XLA:GPU's gradient slice (it fuses the loss into the gathered logits'
-    consumers) or XLA:CPU's second whole buffer (the loss's select over the vocabulary). The head's
-    weight gradient keeps the slice through the layers' backward where the backend keeps the logits'
-    gradient (`keeps_logits_gradient`).
+    and their gradient), or one where the backend writes the gradient over the logits
+    (`backend.writes_logits_gradient_in_place`). With one, each rank computes its vocabulary slice and
+    gathers the whole logits for the loss, which keeps only the rank's slice of their gradient: the
+    gathered logits beside the gather's input slice, and XLA:GPU's gradient slice (it fuses the loss
+    into the gathered logits' consumers) or XLA:CPU's second whole buffer (the loss's select over the
+    vocabulary). The head's weight gradient keeps the slice through the layers' backward where the
+    backend keeps the logits' gradient (`keeps_logits_gradient`).
     """
     tokens = workload.micro_batch_size * workload.seq_len
     whole = tokens * workload.dims.vocab_size * activation_itemsize(workload)
     local = split.units(whole)
-    kept = local if keeps_logits_gradient(workload) else 0
+    kept = local if keeps_logits_gradient(workload, split) else 0
     if split.degree == 1:
-        return 2 * whole, kept
+        return (1 if backend.writes_logits_gradient_in_place(workload.platform) else 2) * whole, kept
     return whole + local + (local if workload.platform != "cpu" else whole), kept
 
 
@@ -427,6 +431,7 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
     # A kept first layer is held through every micro-batch: priced with the activations, which are
     # priced per batching, since it is the same whatever the placement.
     peaks = {
+        "start": _start_peak(axes, workload, s),
         "loss": Peak(
             gathered=at_loss + s["fp32_copies"], grads=accumulation_at_loss, p_with_os=transposed,
             activations=saved + logits + first_layer + fused_loss,
@@ -447,6 +452,21 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
     # The memory passes are priced by the gather form's block (`amsp-jax profile` fitted them on it).
     passes = _passes_block(workload, dataclasses.replace(split, column_parts=1))
     return Memory(params - from_master, grads, s["master"], opt_state, passes, peaks, from_master)
+
+
+def _start_peak(axes: AxisPlan, workload: Workload, s: Counter[str]) -> Peak:
+    """Before the first layer: every leaf outside the layers gathered at once beside the first layers'
+    gathered weights, as many as XLA's combine threshold takes in one collective
+    (`backend.layers_gathered_at_start`); nothing where the backend has no such peak."""
+    at_start = backend.layers_gathered_at_start(workload.platform)
+    if not at_start:
+        return Peak()
+    threshold = backend.combine_thresholds(workload.platform, largest_gather_bytes(axes, workload))
+    layers = int(min(at_start * s["layer_extra"], threshold["all-gather"]))
+    return Peak(
+        gathered=s["other_extra"] + layers + s["fp32_copies"], p_with_os=s["transposed"],
+        activations=s["first_layer"],
+    )  # fmt: skip
 
 
 def _passes_block(workload: Workload, split: TensorSplit) -> int:

@@ -229,7 +229,10 @@ class _Problem:
         terms, w = self.terms, self.w
         held = self.held()
         grads, loss, backward = self.schedule_memory()
+        start = _total(terms.p_start_memory[k] / GIB * self.z[("P", *k)] for k in terms.possible)
         peaks = {
+            "start": held + grads + start
+            + _total(terms.activation_peaks[k]["start"] / GIB * w[k] for k in w),
             "loss": held + grads + loss + _total(terms.activation_peaks[k]["loss"] / GIB * w[k] for k in w),
             "backward": held + grads + backward
             + _total(terms.activation_peaks[k]["backward"] / GIB * w[k] for k in w),

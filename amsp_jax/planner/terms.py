@@ -77,6 +77,7 @@ class Terms:
     p_layer_memory: dict[Key, float]  # one layer's gathered weights beyond the shard
     p_other_memory: dict[Key, float]  # the other leaves gathered beyond their shards, at the loss
     p_lookup_memory: dict[Key, float]  # of those, tables only indexed: gathered at the loss where held
+    p_start_memory: dict[Key, float]  # gathered at the forward's start (`cost.Memory`'s `start` peak)
     g_memory: dict[tuple[Placement, int, bool], float]  # G blocks (accumulating: fp32)
     g_other_memory: dict[tuple[Placement, int, bool], float]  # of them, the other leaves'
     os_memory: dict[Key, float]  # master and moments
@@ -161,6 +162,7 @@ class Terms:
         pair = self.pair_memory.get((s.params, s.opt_state, pi), {})
         at_loss = self.g_other_memory[(s.grads, pi, True)] if acc else 0.0
         peaks = {
+            "start": held + grads + self.p_start_memory[(s.params, pi)] + act["start"],
             "loss": held + grads + other + at_loss + act["loss"],
             "backward": held
             + grads
@@ -302,7 +304,10 @@ def _state_terms(request: Request, profiles: _Profiles, base: Workload) -> dict[
     """Memory of P, G and OS and their memory passes, from probes whose largest group has profile π,
     with one micro-batch on the checkpointed scan and with two (an accumulator, the other leaves held)."""
     cluster, hardware = request.cluster.cluster(), request.cluster
-    fields = ("p_memory", "p_layer_memory", "p_other_memory", "p_lookup_memory", "g_memory", "g_other_memory")
+    fields = (
+        "p_memory", "p_layer_memory", "p_other_memory", "p_lookup_memory", "p_start_memory", "g_memory",
+        "g_other_memory",
+    )  # fmt: skip
     out: dict[str, dict] = {name: {} for name in (*fields, "os_memory", "os_update_memory", "passes")}
     scanned = request.workload(micro_batches=1, remat="full")
     scanned = scanned.with_(implementation=dataclasses.replace(request.implementation, prefetch=False))
@@ -314,6 +319,7 @@ def _state_terms(request: Request, profiles: _Profiles, base: Workload) -> dict[
         out["p_layer_memory"][(x, pi)] = float(single.peaks["backward"].gathered)
         out["p_other_memory"][(x, pi)] = float(single.peaks["loss"].gathered)
         out["p_lookup_memory"][(x, pi)] = float(two.peaks["loss"].gathered - single.peaks["loss"].gathered)
+        out["p_start_memory"][(x, pi)] = float(single.peaks["start"].gathered)
         out["g_memory"][(x, pi, False)] = float(single.grads)
         out["g_memory"][(x, pi, True)] = float(two.grads)
         out["g_other_memory"][(x, pi, False)] = -float(single.peaks["backward"].grads)
@@ -376,8 +382,8 @@ def _lays_out(request: Request, q: Placement, leaves: Iterable[Leaf]) -> bool:
 
 
 _STATE_FIELDS = (
-    "p_memory", "p_layer_memory", "p_other_memory", "p_lookup_memory", "g_memory", "g_other_memory",
-    "os_memory", "os_update_memory", "passes", "pair_memory",
+    "p_memory", "p_layer_memory", "p_other_memory", "p_lookup_memory", "p_start_memory", "g_memory",
+    "g_other_memory", "os_memory", "os_update_memory", "passes", "pair_memory",
 )  # fmt: skip
 
 
