@@ -2,11 +2,14 @@
 # `make test`: lint (ruff), type-check the core (mypy, configured in pyproject.toml), then the tests.
 # Tests run in two worker processes (pytest-xdist), an idle one taking tests queued for the other.
 
-# The Python: python3 (pip then installs the newest jax it takes: 0.10.2 on Python 3.11). The suite does
-# not yet pass on jax 0.12 within CI's time (docs/reference/compatibility.md); in a fresh clone
-# `make test PYTHON=python3.12` (on CI's machines pyenv's ~/.pyenv/versions/3.12.1/bin/python3.12) runs
-# it there. A .venv made earlier keeps its Python: remove it to switch.
-PYTHON ?= python3
+# The Python: the first Python 3.12 found (on PATH, else pyenv's), where pip installs the newest jax
+# (0.12); python3 where there is none (on Python 3.11 pip stops at jax 0.10.2). On CI's machines
+# `python3.12` on PATH is a pyenv shim that fails, and ~/.pyenv/versions/3.12.*/bin/python3.12 is taken.
+# `make test PYTHON=python3.11` picks one. A .venv made earlier keeps its Python: remove it to switch.
+FIND_PYTHON := for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$p"; exit; }; \
+	done; echo python3
+PYTHON ?= $(shell $(FIND_PYTHON))
 VENV := .venv
 BIN := $(VENV)/bin
 # One stamp per set of extras: the demo needs only the project; the tests add the dev tools and the
