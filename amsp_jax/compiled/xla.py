@@ -190,29 +190,17 @@ KERNEL_LAUNCH_SECONDS = 2e-6
 
 def scheduling_profile(hlo_text: str, hardware: ClusterConfig, node_of_device: Sequence[int]) -> str:
     """The text of a `ProfiledInstructionsProto` that prices every instruction of a compiled program with
-    the cost model's hardware (`hlo.instruction_seconds`): collectives at `hardware`'s bandwidth and
-    latency for their kind, group and nodes (a collective-permute as one ring step, `permute_seconds`),
-    kernels by a roofline at its sustained FLOP/s and HBM bandwidth.
+    the cost model's hardware (`hlo.instruction_seconds`): collectives as the time model does
+    (`collective_seconds`), kernels by a roofline at its sustained FLOP/s and HBM bandwidth.
 
     Without it, XLA:GPU's scheduler prices every collective alike and every kernel by its kind alone
     (on jaxlib >= 0.11, whose analytical estimator aborts on this step): a few elementwise kernels then
     look long enough to hide a layer's gather.
     """
-
-    def collective_seconds(c: hlo.Collective) -> float:
-        groups = c.replica_groups or c.source_target_pairs
-        group = max((len(g) for g in groups), default=1)
-        nodes = max((len({node_of_device[d] for d in g}) for g in groups), default=1)
-        if c.kind == "collective-permute":
-            return permute_seconds(hardware, hlo.bytes_per_device(c), nodes)
-        kind = c.kind if c.kind in ("all-gather", "reduce-scatter", "all-reduce") else "all-gather"
-        level = "inter" if nodes > 1 else "intra"
-        return hardware.collective_time(kind, level, hlo.bytes_per_device(c), 1, group, nodes)
-
     seconds = hlo.instruction_seconds(
         hlo_text,
         len(node_of_device),
-        collective_seconds,
+        lambda c: collective_seconds(c, hardware, node_of_device),
         hardware.sustained_flops,
         hardware.hbm_bandwidth,
         KERNEL_LAUNCH_SECONDS,
@@ -220,19 +208,19 @@ def scheduling_profile(hlo_text: str, hardware: ClusterConfig, node_of_device: S
     return "".join(f'costs {{ name: "{name}" cost_us: {1e6 * s:.3f} }}\n' for name, s in seconds.items())
 
 
-def permute_seconds(hardware: ClusterConfig, size: int, nodes: int) -> float:
-    """Seconds of a collective-permute that sends `size` bytes per device between devices on `nodes`
-    nodes: one step of a ring, its latency and its bytes at the bandwidth of a ring whose every step
-    carries `size`.
-
-    A node's bandwidth table describes rings of all its devices, whose steps each carry 1/(devices - 1)
-    of what a device sends; read at `size` itself it prices one send as that many latency-bound steps,
-    which makes XLA's scheduler spend every block product of a ring on one transfer.
-    """
+def collective_seconds(c: hlo.Collective, hardware: ClusterConfig, node_of_device: Sequence[int]) -> float:
+    """Seconds of compiled collective `c` (its trip count's executions) on `hardware` by the time model's
+    rules: a collective-permute as sends to one neighbour each (`ClusterConfig.permute_time`: one ring
+    step, which keeps XLA's scheduler from spending every block product of a ring on one transfer),
+    another at the bandwidth and latency of its kind, group and nodes."""
+    groups = c.replica_groups or c.source_target_pairs
+    group = max((len(g) for g in groups), default=1)
+    nodes = max((len({node_of_device[d] for d in g}) for g in groups), default=1)
     level = "inter" if nodes > 1 else "intra"
-    ring = hardware.devices_per_node if level == "intra" else 2
-    latency = hardware.latency("all-gather", 2, nodes)
-    return latency + size / hardware.busbw("all-gather", level, (ring - 1) * size) if size > 0 else 0.0
+    if c.kind == "collective-permute":
+        return hardware.permute_time(hlo.bytes_per_device(c), level, c.trip_count)
+    kind = c.kind if c.kind in ("all-gather", "reduce-scatter", "all-reduce") else "all-gather"
+    return hardware.collective_time(kind, level, hlo.bytes_per_device(c), c.trip_count, group, nodes)
 
 
 def compile_scheduled(lowered: Any, options: dict[str, object] | None, layout: Layout) -> Any:
