@@ -1,8 +1,8 @@
 """How much of the ring form's transfers XLA hides, and which options change it: the share of
 collective-permute bytes with a gemm between start and done in the program compiled for 2 nodes of 8
 H100s (LLaMA 2,048 wide, sequence 2,048, `t=4,zero3`, remat full, mixed), with the step's own XLA
-options and with one changed at a time, then at t = 2 and 8 with the step's options, and the exposed
-permutes by where they come from.
+options and with one changed at a time, then at t = 2 and 8 with the step's options and with four
+collectives in flight, and the exposed permutes by where they come from.
 
     python -m benchmarks.ring_overlap [--out benchmarks/results]
 
@@ -39,8 +39,9 @@ VARIANTS: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any] | None]]] = 
     ("four collectives in flight", lambda o: o | {LIMIT: 4} if LIMIT in o else None),
     ("no analytical latency estimator", lambda o: _without(o, ESTIMATOR)),
 ]
-# (tensor degree, variant): every variant at t = 4, the step's options at the other degrees in a node
-CASES = [(4, variant) for variant in VARIANTS] + [(t, VARIANTS[0]) for t in (2, 8)]
+# (tensor degree, variant): every variant at t = 4; the step's options and four collectives in flight
+# at the other degrees in a node
+CASES = [(4, variant) for variant in VARIANTS] + [(t, VARIANTS[i]) for t in (2, 8) for i in (0, 1)]
 
 
 def where(op_name: str) -> str:

@@ -23,6 +23,7 @@ from amsp_jax.core.schedule import COLLECTIVE_PERMUTE
 from amsp_jax.cost import timing
 from amsp_jax.cost.hardware import for_device_kind
 from amsp_jax.errors import is_input_error
+from amsp_jax.layers import tensor_ring
 from amsp_jax.models.llama import Llama, LlamaConfig, ModelConfigError, make_loss_fn
 from amsp_jax.run.checkpoint import Checkpointer
 from amsp_jax.trainer import TrainerError
@@ -91,8 +92,11 @@ CASES = [
 
 @pytest.mark.parametrize(("name", "strategy", "sequence_parallel", "micro_batches", "form"), CASES)
 def test_tensor_parallel_step_equals_single_device_reference(
-    name, strategy, sequence_parallel, micro_batches, form
+    name, strategy, sequence_parallel, micro_batches, form, monkeypatch
 ):
+    # A column ring of three blocks or more goes both ways round on every jaxlib here (in the step from
+    # jaxlib 0.11); two blocks have one way.
+    monkeypatch.setattr(tensor_ring, "_both_ways", lambda degree: degree > 2)
     expected_losses, expected_params = expected(name)
     trainer, state, losses = train(name, strategy, sequence_parallel, micro_batches, form)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
