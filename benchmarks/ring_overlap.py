@@ -23,12 +23,11 @@ from typing import Any
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from amsp_jax.compiled import compile_step
+from amsp_jax.compiled import compile_step, xla
 from benchmarks import results_file
 from benchmarks.tensor_audit import run_case
 
-LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
-ESTIMATOR = "xla_gpu_enable_analytical_latency_estimator"
+LIMIT, ESTIMATOR = xla.OVERLAP_LIMIT, xla.ANALYTICAL_ESTIMATOR
 # (name, change to the step's options: None where the variant does not apply to these options)
 def _without(options: dict[str, Any], key: str) -> dict[str, Any] | None:
     return {k: v for k, v in options.items() if k != key} if key in options else None
