@@ -79,8 +79,8 @@ def _both_ways(degree: int) -> bool:
     block products are free to run beside each transfer, and XLA's scheduler (priced by the step's
     profile, `compiled.xla.scheduling_profile`) puts one beside more of them: one way round it gives a
     later transfer every product it may and leaves the first without one. The bytes are the same (t - 1
-    blocks of whole/t in, one per transfer). Under jaxlib 0.10's analytical estimator, which gives a
-    permute no time beyond its launch, both ways round hide fewer transfers at t = 8."""
+    blocks of whole/t in, one per transfer). On jaxlib 0.10 (its analytical estimator, the permutes
+    alone priced by the profile: `compiled.xla.compile_scheduled`) one way round hides more at t = 8."""
     return degree > 2 and _kept_apart()
 
 
