@@ -1,8 +1,10 @@
 """How much of the ring form's transfers XLA hides, and which options change it: the share of
 collective-permute bytes with a gemm between start and done in the program compiled for 2 nodes of 8
 H100s (LLaMA 2,048 wide, sequence 2,048, `t=4,zero3`, remat full, mixed), with the step's own XLA
-options and with one changed at a time, then at t = 2 and 8 with the step's options, and the exposed
-permutes by where they come from.
+options and with one changed at a time, then at t = 2 and 8 with the step's options and with four
+collectives in flight, the exposed permutes by where they come from, and the bytes of the step's
+all-gathers and reduce-scatters (the placements' and the vocabulary's) with a gemm between start and
+done.
 
     python -m benchmarks.ring_overlap [--out benchmarks/results]
 
@@ -23,12 +25,11 @@ from typing import Any
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from amsp_jax.compiled import compile_step
+from amsp_jax.compiled import compile_step, xla
 from benchmarks import results_file
 from benchmarks.tensor_audit import run_case
 
-LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
-ESTIMATOR = "xla_gpu_enable_analytical_latency_estimator"
+LIMIT, ESTIMATOR = xla.OVERLAP_LIMIT, xla.ANALYTICAL_ESTIMATOR
 # (name, change to the step's options: None where the variant does not apply to these options)
 def _without(options: dict[str, Any], key: str) -> dict[str, Any] | None:
     return {k: v for k, v in options.items() if k != key} if key in options else None
@@ -39,8 +40,9 @@ VARIANTS: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any] | None]]] = 
     ("four collectives in flight", lambda o: o | {LIMIT: 4} if LIMIT in o else None),
     ("no analytical latency estimator", lambda o: _without(o, ESTIMATOR)),
 ]
-# (tensor degree, variant): every variant at t = 4, the step's options at the other degrees in a node
-CASES = [(4, variant) for variant in VARIANTS] + [(t, VARIANTS[0]) for t in (2, 8)]
+# (tensor degree, variant): every variant at t = 4; the step's options and four collectives in flight
+# at the other degrees in a node
+CASES = [(4, variant) for variant in VARIANTS] + [(t, VARIANTS[i]) for t in (2, 8) for i in (0, 1)]
 
 
 def where(op_name: str) -> str:
@@ -57,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     jaxlib = metadata.version("jaxlib")
     lines = [
         results_file.header(f"Ring-form overlap compiled for H100s, jaxlib {jaxlib}"),
-        "| t | XLA options | permute bytes hidden | all | hidden | exposed permutes by where |",
-        "|---:|---|---:|---:|---:|---|",
+        "| t | XLA options | permute bytes hidden | all | hidden | exposed permutes by where "
+        "| all-gather bytes hidden | reduce-scatter bytes hidden |",
+        "|---:|---|---:|---:|---:|---|---:|---:|",
     ]
     original = compile_step.compiler_options
     for degree, (name, change) in CASES:
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             compile_step.compiler_options = original
         if any(skipped):
-            lines.append(f"| {degree} | {name} | - | - | - | (not an option of this jaxlib's step) |")
+            lines.append(f"| {degree} | {name} | - | - | - | (not an option of this jaxlib's step) | - | - |")
             continue
         hidden, total = report.measured.hidden_bytes("collective-permute")
         measured = report.measured
@@ -85,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             if c.kind == "collective-permute" and not o.hidden
         )  # fmt: skip
         parts = ", ".join(f"{k} x{n}" for k, n in sorted(exposed.items()))
-        lines.append(f"| {degree} | {name} | {hidden:,} | {total:,} | {hidden / total:.1%} | {parts} |")
+        others = [measured.hidden_bytes(kind) for kind in ("all-gather", "reduce-scatter")]
+        shares = " | ".join(f"{h:,} of {n:,} ({h / max(n, 1):.1%})" for h, n in others)
+        share = f"{hidden:,} | {total:,} | {hidden / total:.1%}"
+        lines.append(f"| {degree} | {name} | {share} | {parts} | {shares} |")
         print(lines[-1], flush=True)
     lines += ["", "The step's XLA options: `amsp_jax.compiled.xla.compiler_options`."]
     stem = results_file.dated_stem(args.out, "ring_overlap", f"h100x16-compiled-jaxlib{jaxlib}")

@@ -13,6 +13,7 @@ import pytest
 import amsp_jax as aj
 from amsp_jax.compiled import audit
 from amsp_jax.core.mesh import plan_axes
+from amsp_jax.cost import hardware
 from amsp_jax.cost.tensor_traffic import tensor_transfers
 from amsp_jax.cost.trace import trace
 from amsp_jax.models.llama import Llama, LlamaConfig, llama_spec, make_loss_fn
@@ -109,7 +110,7 @@ def test_the_best_plan_at_each_tensor_degree_is_the_best_of_every_option_solved(
     # `price_alternatives` skips options whose compute alone is no faster than the best plan found
     # at their degree; the rows it keeps must be those of solving every option.
     spec = llama_spec(dataclasses.replace(KV4_TIED, n_layers=3))
-    request = make_request(spec, "a800-8x-ib800", 2, seq_len=64, global_batch=32, tensor_degrees=(1, 2))
+    request = make_request(spec, "a800-8x-ib800", 2, seq_len=64, global_batch=32, tensor_degrees=(1, 4))
     solved: list[object] = []
     monkeypatch.setattr(search, "solve", lambda terms: solved.append(terms) or solve(terms))
     every = search.solved_options(request)
@@ -125,3 +126,22 @@ def test_the_best_plan_at_each_tensor_degree_is_the_best_of_every_option_solved(
     assert sorted(kept) == sorted(best)
     for t, row in kept.items():
         assert row.estimate == best[t].estimate and row.description == best[t].description, t
+
+
+@pytest.mark.parametrize("config", ["h100-dgx", "a800-8x-ib800"])
+def test_a_permute_is_one_step_of_a_ring_all_gather(config):
+    # NCCL's ring all-gather over a node's R devices is one launch of R - 1 steps, each device sending
+    # one chunk to its neighbour (nccl-tests: (R - 1) chunks per device at the bus bandwidth, one hop
+    # of latency per step), so R - 1 permutes of a chunk (a ring form's transfers, `permute_time`) cost
+    # the all-gather the bandwidth table prices plus R - 2 more launches; across two nodes the one
+    # step of a two-node all-gather is one permute.
+    hw = hardware.load(config)
+    devices = hw.devices_per_node
+    for chunk in (64 * 2**10, 2 * 2**20, 64 * 2**20):
+        gather = hw.collective_time("all-gather", "intra", (devices - 1) * chunk, 1, devices, 1)
+        steps = (devices - 1) * hw.permute_time(chunk, "intra")
+        assert steps == pytest.approx(gather + (devices - 2) * hw.latency_base, rel=1e-12)
+        assert hw.permute_time((devices - 1) * chunk, "intra", devices - 1) == pytest.approx(steps, rel=1e-12)
+        assert hw.permute_time(chunk, "inter") == pytest.approx(
+            hw.collective_time("all-gather", "inter", chunk, 1, 2, 2), rel=1e-12
+        )

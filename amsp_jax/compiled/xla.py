@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from amsp_jax.compiled import hlo
+from amsp_jax.compiled.hlo.text import parse_module, scheduling_name
 from amsp_jax.core.backend import ANALYTICAL_ESTIMATOR_BEFORE, combine_thresholds
 from amsp_jax.cost.hardware import ClusterConfig, for_device_kind
 
@@ -71,11 +72,17 @@ def scheduler_options() -> dict[str, object]:
     version = tuple(jax.__version_info__[:2])
     options: dict[str, object] = {}
     if version < ANALYTICAL_ESTIMATOR_BEFORE:
-        options["xla_gpu_enable_analytical_latency_estimator"] = True
+        options[ANALYTICAL_ESTIMATOR] = True
     if version < PIPELINER_OPTIONS_BEFORE:
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             options[f"xla_gpu_enable_pipelined_{kind}"] = True
     return options
+
+
+# How many collectives XLA:GPU's scheduler may keep in flight at once; only a collective matmul's options
+# carry it (`gpu_options`), so it also marks a program of the `ring` or `cannon` form.
+OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
+ANALYTICAL_ESTIMATOR = "xla_gpu_enable_analytical_latency_estimator"
 
 
 # XLA's effort level O1 (`EFFORT_O1` of its `ExecutionOptions`; JAX's `jax_optimization_level`), passed
@@ -105,7 +112,7 @@ def gpu_options(
         "xla_gpu_all_reduce_combine_threshold_bytes": int(thresholds["all-reduce"]),
         # A collective matmul's transfers are each hidden behind their own block product (`tensor_ring`).
         "xla_gpu_collective_permute_combine_threshold_bytes": 0,
-    } | ({"xla_gpu_experimental_parallel_collective_overlap_limit": 2} if collective_matmul else {})
+    } | ({OVERLAP_LIMIT: 2} if collective_matmul else {})
 
 
 def compiler_options(
@@ -188,74 +195,79 @@ PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
 KERNEL_LAUNCH_SECONDS = 2e-6
 
 
-def scheduling_profile(hlo_text: str, hardware: ClusterConfig, node_of_device: Sequence[int]) -> str:
+def scheduling_profile(
+    hlo_text: str, hardware: ClusterConfig, node_of_device: Sequence[int], permutes_only: bool = False
+) -> str:
     """The text of a `ProfiledInstructionsProto` that prices every instruction of a compiled program with
-    the cost model's hardware (`hlo.instruction_seconds`): collectives at `hardware`'s bandwidth and
-    latency for their kind, group and nodes (a collective-permute as one ring step, `permute_seconds`),
-    kernels by a roofline at its sustained FLOP/s and HBM bandwidth.
+    the cost model's hardware (`hlo.instruction_seconds`): collectives as the time model does
+    (`collective_seconds`), kernels by a roofline at its sustained FLOP/s and HBM bandwidth;
+    `permutes_only`: its collective-permutes alone (XLA prices the rest as it would without a profile).
 
     Without it, XLA:GPU's scheduler prices every collective alike and every kernel by its kind alone
     (on jaxlib >= 0.11, whose analytical estimator aborts on this step): a few elementwise kernels then
     look long enough to hide a layer's gather.
     """
-
-    def collective_seconds(c: hlo.Collective) -> float:
-        groups = c.replica_groups or c.source_target_pairs
-        group = max((len(g) for g in groups), default=1)
-        nodes = max((len({node_of_device[d] for d in g}) for g in groups), default=1)
-        if c.kind == "collective-permute":
-            return permute_seconds(hardware, hlo.bytes_per_device(c), nodes)
-        kind = c.kind if c.kind in ("all-gather", "reduce-scatter", "all-reduce") else "all-gather"
-        level = "inter" if nodes > 1 else "intra"
-        return hardware.collective_time(kind, level, hlo.bytes_per_device(c), 1, group, nodes)
-
     seconds = hlo.instruction_seconds(
         hlo_text,
         len(node_of_device),
-        collective_seconds,
+        lambda c: collective_seconds(c, hardware, node_of_device),
         hardware.sustained_flops,
         hardware.hbm_bandwidth,
         KERNEL_LAUNCH_SECONDS,
     )
+    if permutes_only:
+        computations, _ = parse_module(hlo_text)
+        permutes = {
+            scheduling_name(ins) for body in computations.values() for ins in body.values()
+            if ins.opcode in ("collective-permute-start", "collective-permute")
+        }  # fmt: skip
+        seconds = {name: s for name, s in seconds.items() if name in permutes}
     return "".join(f'costs {{ name: "{name}" cost_us: {1e6 * s:.3f} }}\n' for name, s in seconds.items())
 
 
-def permute_seconds(hardware: ClusterConfig, size: int, nodes: int) -> float:
-    """Seconds of a collective-permute that sends `size` bytes per device between devices on `nodes`
-    nodes: one step of a ring, its latency and its bytes at the bandwidth of a ring whose every step
-    carries `size`.
-
-    A node's bandwidth table describes rings of all its devices, whose steps each carry 1/(devices - 1)
-    of what a device sends; read at `size` itself it prices one send as that many latency-bound steps,
-    which makes XLA's scheduler spend every block product of a ring on one transfer.
-    """
+def collective_seconds(c: hlo.Collective, hardware: ClusterConfig, node_of_device: Sequence[int]) -> float:
+    """Seconds of compiled collective `c` (its trip count's executions) on `hardware` by the time model's
+    rules: a collective-permute as sends to one neighbour each (`ClusterConfig.permute_time`: one ring
+    step, which keeps XLA's scheduler from spending every block product of a ring on one transfer),
+    another at the bandwidth and latency of its kind, group and nodes."""
+    groups = c.replica_groups or c.source_target_pairs
+    group = max((len(g) for g in groups), default=1)
+    nodes = max((len({node_of_device[d] for d in g}) for g in groups), default=1)
     level = "inter" if nodes > 1 else "intra"
-    ring = hardware.devices_per_node if level == "intra" else 2
-    latency = hardware.latency("all-gather", 2, nodes)
-    return latency + size / hardware.busbw("all-gather", level, (ring - 1) * size) if size > 0 else 0.0
+    if c.kind == "collective-permute":
+        return hardware.permute_time(hlo.bytes_per_device(c), level, c.trip_count)
+    kind = c.kind if c.kind in ("all-gather", "reduce-scatter", "all-reduce") else "all-gather"
+    return hardware.collective_time(kind, level, hlo.bytes_per_device(c), c.trip_count, group, nodes)
 
 
 def compile_scheduled(lowered: Any, options: dict[str, object] | None, layout: Layout) -> Any:
-    """`compile_lowered`, then, where the options schedule a GPU program without XLA's analytical estimator
-    (`scheduler_options`) and a shipped cluster config describes its GPU (`cluster_config.for_device_kind`),
-    once more with the first program's `scheduling_profile` (the second compile repeats its instruction
-    names: the same passes run on the same program up to the scheduler).
+    """`compile_lowered`, then, where the options schedule a GPU program and a shipped cluster config
+    describes its GPU (`cluster_config.for_device_kind`), once more with the first program's
+    `scheduling_profile` (the second compile repeats its instruction names: the same passes run on the
+    same program up to the scheduler): the whole profile without XLA's analytical estimator
+    (`scheduler_options`), its collective-permutes alone beside it.
 
-    Where the analytical estimator runs (jaxlib < 0.11) it stays alone: with the profile as well, some
-    looped collectives of the test model lose the compute that the estimator alone puts beside them.
+    Where the analytical estimator runs (jaxlib < 0.11) it prices the rest: with the whole profile as
+    well, some looped collectives of the test model lose the compute that the estimator alone puts
+    beside them. It has no runtime model for a collective-permute (XLA prices one as a kernel launch),
+    so a collective matmul's program (options with `OVERLAP_LIMIT`) is given the permutes' prices,
+    else its scheduler puts no block product beside a ring's transfer but by chance.
     """
     # The second compile starts from the options the first kept: no failed compile or warning twice.
     compiled, options = _compile(lowered, options)
-    if not options.get("xla_gpu_enable_latency_hiding_scheduler") or options.get(
-        "xla_gpu_enable_analytical_latency_estimator"
-    ):
+    analytical = bool(options.get(ANALYTICAL_ESTIMATOR))
+    collective_matmul = OVERLAP_LIMIT in options
+    if not options.get("xla_gpu_enable_latency_hiding_scheduler") or (analytical and not collective_matmul):
         return compiled
     cluster = layout.cluster
     kind = layout.mesh.devices.flat[0].device_kind
     hardware = for_device_kind(kind, cluster.nodes, cluster.devices_per_node)
     if hardware is None:
         return compiled
-    profile = scheduling_profile(compiled.as_text(), hardware, layout.node_of_device())
+    nodes = layout.node_of_device()
+    profile = scheduling_profile(compiled.as_text(), hardware, nodes, permutes_only=analytical)
+    if not profile:
+        return compiled
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder, "profile.pbtxt")
         path.write_text(profile)

@@ -223,6 +223,23 @@ class ClusterConfig:
         hops = (group - nodes) * self.latency_intra_hop + (nodes - 1) * self.latency_inter_hop
         return self.latency_base + (2 if kind == "all-reduce" else 1) * hops
 
+    def permute_time(self, size: float, level: str, executions: int = 1) -> float:
+        """Seconds of `executions` collective-permutes that send `size` bytes per device in all, each to
+        one neighbour inside a node (`level` intra) or on another node (inter): per send one ring step,
+        its latency (one hop) and its bytes at the bus bandwidth of a ring whose every step carries them.
+
+        The one price of a permute: the time model's (`timing.transfer_time`) and the one XLA's scheduler
+        is given (`compiled.xla.scheduling_profile`). A level's table describes rings of all its devices
+        (a node's; two nodes'), each step carrying 1/(devices - 1) of what a device sends, so it is read
+        at that many sends: read at one send's bytes it would price it as that many latency-bound steps.
+        """
+        if size <= 0 or executions <= 0:
+            return 0.0
+        nodes, ring = (1, max(self.devices_per_node, 2)) if level == "intra" else (2, 2)
+        per_send = size / executions
+        hop = self.latency("all-gather", 2, nodes)
+        return executions * hop + size / self.busbw("all-gather", level, (ring - 1) * per_send)
+
     def collective_time(
         self, kind: str, level: str, size: int, executions: int, group: int = 0, nodes: int = 0
     ) -> float:

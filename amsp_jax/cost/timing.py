@@ -153,14 +153,12 @@ def traffic(axes: AxisPlan, workload: Workload) -> Traffic:
 
 
 def transfer_time(t: Transfer, cluster: ClusterConfig) -> float:
-    """Seconds of one (merged) transfer on `cluster`.
-
-    A collective-permute (XLA's, in the optimizer's update) sends one buffer to one other device: it
-    is priced as an all-gather over two devices, one ring step at the link's bandwidth. A chain's
-    intermediate results that the backend rounds in passes of their own (`rounding_time`) belong to it.
-    """
-    kind = "all-gather" if t.kind == COLLECTIVE_PERMUTE else t.kind
-    return cluster.collective_time(kind, t.level, t.bytes, t.executions, t.group, t.nodes) + rounding_time(
+    """Seconds of one (merged) transfer on `cluster`: a collective-permute (a ring's step, a pair's
+    exchange) as its sends to one neighbour each (`ClusterConfig.permute_time`). A chain's intermediate
+    results that the backend rounds in passes of their own (`rounding_time`) belong to it."""
+    if t.kind == COLLECTIVE_PERMUTE:
+        return cluster.permute_time(t.bytes, t.level, t.executions)
+    return cluster.collective_time(t.kind, t.level, t.bytes, t.executions, t.group, t.nodes) + rounding_time(
         t, cluster
     )
 

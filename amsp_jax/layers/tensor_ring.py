@@ -4,8 +4,9 @@ beside it, so that XLA runs the transfer behind it.
 
 - all-gather-matmul (column-parallel input): each rank holds a sequence block of x, [b, s/t, d]; the
   blocks are passed on t - 1 times (`ring_blocks`, shared by every kernel that reads x, as query, key
-  and value do) and each block multiplied by the rank's column slice of a kernel as it arrives, giving
-  `matmul(x_whole, kernel)`, [b, s, f/t], without holding x gathered first.
+  and value do; from jaxlib 0.11 both ways round, `_both_ways`) and each block multiplied by the rank's
+  column slice of a kernel as it arrives, giving `matmul(x_whole, kernel)`, [b, s, f/t], without
+  holding x gathered first.
 - matmul-reduce-scatter (row-parallel output): each rank holds x whole along the sequence with its
   slice of the contracting dimension; at step k it adds its partial product for one sequence block to
   the running sum it received and passes the sum on, so after t steps it holds its own block summed.
@@ -34,7 +35,7 @@ from amsp_jax.core.backend import ANALYTICAL_ESTIMATOR_BEFORE
 
 SEQUENCE_DIM = 1  # activations are (batch, sequence, ...)
 Matmul = Callable[[jax.Array, jax.Array], jax.Array]
-Blocks = list[jax.Array]  # in arrival order: the k-th is rank (rank + k) % t's sequence block
+Blocks = list[jax.Array]  # in arrival order: the k-th is rank (rank + offsets(t)[k]) % t's sequence block
 
 
 def _shift(x: jax.Array, axis: str, degree: int) -> jax.Array:
@@ -52,11 +53,35 @@ def _block(x: jax.Array, index: jax.Array, size: int) -> jax.Array:
 
 
 def ring_blocks(x: jax.Array, axis: str, degree: int) -> Blocks:
-    """Every rank's sequence block of `x`, this rank's first, the others as they arrive round the ring."""
-    blocks = [x]
-    for _ in range(1, degree):
-        blocks.append(_shift(blocks[-1], axis, degree))
+    """Every rank's sequence block of `x`, this rank's first, the others as they arrive round the ring
+    (`offsets`): one way round, or both ways, each block passed on from the neighbour it came from."""
+    blocks, ahead, behind = [x], x, x
+    for offset in offsets(degree)[1:]:
+        if offset > 0:
+            ahead = _shift(ahead, axis, degree)
+        else:
+            behind = _unshift(behind, axis, degree)
+        blocks.append(ahead if offset > 0 else behind)
     return blocks
+
+
+def offsets(degree: int) -> list[int]:
+    """Which rank's block, relative to this one, `ring_blocks` brings at each step: 0, 1, 2, ... one way
+    round, or 0, 1, -1, 2, -2, ... both ways (`_both_ways`)."""
+    if not _both_ways(degree):
+        return list(range(degree))
+    return [0] + [(k + 1) // 2 if k % 2 else -(k // 2) for k in range(1, degree)]
+
+
+def _both_ways(degree: int) -> bool:
+    """Whether a column ring passes its blocks both ways round: from jaxlib 0.11 (`_kept_apart`), with
+    three blocks or more. Each block is then at most t/2 transfers from the rank that needs it, so more
+    block products are free to run beside each transfer, and XLA's scheduler (priced by the step's
+    profile, `compiled.xla.scheduling_profile`) puts one beside more of them: one way round it gives a
+    later transfer every product it may and leaves the first without one. The bytes are the same (t - 1
+    blocks of whole/t in, one per transfer). On jaxlib 0.10 (its analytical estimator, the permutes
+    alone priced by the profile: `compiled.xla.compile_scheduled`) one way round hides more at t = 8."""
+    return degree > 2 and _kept_apart()
 
 
 def _after(x: jax.Array, other: jax.Array) -> jax.Array:
@@ -86,7 +111,7 @@ def gather_matmul(blocks: Blocks, kernel: jax.Array, matmul: Matmul, axis: str, 
     kernels the transposed ring is then passing on."""
     def indices() -> list[jax.Array]:  # each rank's, traced where used (a custom_vjp closes over none)
         rank = jax.lax.axis_index(axis)
-        return [(rank + step) % degree for step in range(degree)]
+        return [(rank + offset) % degree for offset in offsets(degree)]
 
     def place(products: list[jax.Array]) -> jax.Array:
         shape = list(products[0].shape)
