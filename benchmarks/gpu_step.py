@@ -622,8 +622,8 @@ def main() -> int:
         "--reprice",
         nargs="+",
         metavar="JSON",
-        help="no GPU: recompute each run's MFU and predictions with today's models (its times kept) and "
-        "print them beside the recorded ones",
+        help="no GPU: recompute each run's MFU and predictions with today's models (its times kept), "
+        "print them beside the recorded ones and write them to a dated results file under --out",
     )
     parser.add_argument(
         "--predict",
@@ -655,7 +655,12 @@ def main() -> int:
         print(text)
         return 0
     if args.reprice:
-        print(reprice_all([Path(path) for path in args.reprice]))
+        text = reprice_all([Path(path) for path in args.reprice])
+        # Written as measured on the cards the runs timed: the times are theirs, only the models are here.
+        stem = results_file.dated_stem(args.out, "gpu_step-reprice", "h100-h200")
+        title = "One GPU: every recorded run repriced by today's time model"
+        stem.with_suffix(".md").write_text(results_file.header(title) + "```text\n" + text + "\n```\n")
+        print(text)
         return 0
     if args.check_options:
         check_options(config, args.pairs.split(",")[0], args)

@@ -7,14 +7,15 @@ model's shape (`amsp_jax.cost.memory_traffic`, whose docstring derives its terms
 probe steps for H100s here (no GPU; `amsp_jax.compiled.gpu_target`), counts their memory-bound
 traffic (`amsp_jax.compiled.hlo.memory_traffic`) and fits the form's coefficients by least squares on
 relative errors: small LLaMA shapes whose widths, vocabularies and tokens per parameter move each term
-on its own, on one device (remat none / dots / full, one and two micro-batches) and on four (ddp,
+on its own, on one device (remat none / dots / full, one, two and four micro-batches; two of them at 1B-class
+widths) and on four (ddp,
 zero1, zero2, zero3, which set the P, G and OS blocks apart). No measured time enters the fit: the
 measured steps of `benchmarks/results/gpu_step_*.json` stay an independent check (`gpu_step --reprice`).
 
 It writes a dated results file (the fit's residuals, and the probes' rows as JSON beside it) and prints
 the YAML of `amsp_jax/configs/traffic/xla-gpu.yaml`, to be copied there with the results file named.
 
-Run:  JAX_PLATFORMS=cpu python -m benchmarks.gpu_traffic_fit            (compiles ~66 probes)
+Run:  JAX_PLATFORMS=cpu python -m benchmarks.gpu_traffic_fit            (compiles 90 probes)
       JAX_PLATFORMS=cpu python -m benchmarks.gpu_traffic_fit --probes PROBES.json   (refit, no compile)
 """
 
@@ -47,11 +48,17 @@ SHAPES = (
     (1024, 3, 8, 8, 4096, 8192, 512, 2),
     (384, 2, 6, 6, 1024, 50000, 256, 8),
     (896, 2, 14, 2, 3072, 12000, 2048, 1),
+    # 1B-class widths at two layers (none of the recorded runs' shapes): their layers' bytes dwarf the
+    # rest, as in the measured steps.
+    (1792, 2, 14, 2, 4864, 16000, 2048, 2),
+    (2304, 2, 18, 6, 6144, 24000, 1024, 2),
 )
 # (shape, devices, strategy, micro-batches, remat): every remat and batching on one device; the
 # placements that set P, G and OS apart on four.
 JOBS = tuple(
     [(s, 1, "ddp", m, r) for s in SHAPES for m in (1, 2) for r in memory_traffic.REMATS]
+    # Four micro-batches: the loop's terms apart from the per-micro-batch ones.
+    + [(s, 1, "ddp", 4, r) for s in SHAPES[::3] for r in memory_traffic.REMATS]
     + [(s, 4, strategy, 1, "none") for s in SHAPES[:3] for strategy in ("ddp", "zero1", "zero2", "zero3")]
     + [(s, 4, strategy, 2, "none") for s in SHAPES[:3] for strategy in ("zero1", "zero3")]
 )
@@ -120,10 +127,15 @@ def yaml_text(coefficients: dict[str, float], source: str) -> str:
         "coefficients:",
     ]
     lines += [f"  {name}: {coefficients[name]:.4g}" for name in memory_traffic.TERMS if "." not in name]
-    lines.append("  activations:     # per 2·T·L·width, by the step's remat")
-    for remat in memory_traffic.REMATS:
-        widths = ", ".join(f"{w}: {coefficients[f'{remat}.{w}']:.4g}" for w in memory_traffic.WIDTHS)
-        lines.append(f"    {remat}: {{{widths}}}")
+    for group, prefix, said in (
+        ("activations", "", "by the step's remat"),
+        ("loop_activations", "loop.", "more, with more than one micro-batch"),
+    ):
+        lines.append(f"  {group}:     # per 2·T·L·width, {said}")
+        for remat in memory_traffic.REMATS:
+            values = (coefficients[f"{prefix}{remat}.{w}"] for w in memory_traffic.WIDTHS)
+            widths = ", ".join(f"{w}: {v:.4g}" for w, v in zip(memory_traffic.WIDTHS, values, strict=True))
+            lines.append(f"    {remat}: {{{widths}}}")
     return "\n".join(lines) + "\n"
 
 

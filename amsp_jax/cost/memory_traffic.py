@@ -10,8 +10,10 @@ as a linear form in what the plan and the shape fix, one coefficient per term:
     bytes = Σ_block k_block · B_block                          (P, G, OS: the placement's blocks)
           + k_grads_reduced · B_grads   where G is reduced across devices
           + k_weights · 4Φ · M                                  (every parameter, per micro-batch)
+          + k_accumulator · 4Φ · [M > 1]                        (the micro-batch loop's accumulator)
           + k_logits · 4 · T · V                                (the logits and their gradient)
-          + Σ_{x ∈ D, F, K} k_{remat,x} · 2 · T · L · x         (a layer's activations, by remat)
+          + Σ_{x ∈ D, F, K} (k_{remat,x} + k_{loop,remat,x} · [M > 1]) · 2 · T · L · x
+                                                                (a layer's activations, by remat)
 
 with B_block the bytes per device of the stored P (0 where the gathers cast the master), the G block
 counted in fp32 and the fp32 master (`timing.pass_blocks`), Φ parameters, M micro-batches, T tokens
@@ -22,13 +24,19 @@ around the collective that reduces it (G); a P stored apart from the master is c
 micro-batch casts and passes every full-size weight and gradient whatever the placement (weights); the
 loss passes the (T, V) logits a few times; and a layer's elementwise work is linear in its tokens and
 its widths, with a different count per remat policy (recomputation runs the forward's kernels again,
-`dots` keeps the projections' outputs and recomputes the rest).
+`dots` keeps the projections' outputs and recomputes the rest). With more than one micro-batch the step
+is a loop over them, and the loop is a program of its own: it zeroes and carries an fp32 gradient
+accumulator (accumulator), and XLA copies the layer loop's stacked residuals out of each trip's buffers
+(loop activations: the compiled 1B-class steps copy the saved ffn and fp32 norm inputs under remat
+`none`, less under `dots`, nothing under `full`), so the bytes are not linear in M from M = 1.
 
 The coefficients are fitted by `benchmarks/gpu_traffic_fit.py` on probe steps compiled for H100s on a
 machine without a GPU (no measured time enters them): LLaMA shapes whose widths, vocabularies and
-tokens per parameter move each term on its own, on one device (every remat, one and two
-micro-batches) and on four (ddp, zero1, zero2, zero3: the blocks apart). The counted traffic is
-`amsp_jax.compiled.hlo.memory_traffic`. They live in `amsp_jax/configs/traffic/xla-gpu.yaml` with
+tokens per parameter move each term on its own, two of them at 1B-class widths, on one device (every
+remat, one, two and four micro-batches) and on four (ddp, zero1, zero2, zero3: the blocks apart). The
+counted traffic is `amsp_jax.compiled.hlo.memory_traffic`, which counts an in-place update by the slot
+it writes, not read: counting the slot read put the traced in-place updates of the layer loop above the
+card's memory speed. They live in `amsp_jax/configs/traffic/xla-gpu.yaml` with
 their source. The time model prices these bytes at the profiled memory bandwidth (`bandwidth`) for a
 GPU whose compute was measured (`applies`): the shipped datasheet configs assume a compute efficiency
 that already stands for the memory-bound kernels, and a profiled CPU host fits its own passes.
@@ -51,7 +59,11 @@ REMATS = ("none", "dots", "full")
 WIDTHS = ("dim", "ffn", "kv")
 BLOCK_TERMS = ("params", "grads", "opt_state", "grads_reduced")
 """The terms that depend on the P, G and OS placements."""
-TERMS = (*BLOCK_TERMS, "weights", "logits", *(f"{r}.{w}" for r in REMATS for w in WIDTHS))
+TERMS = (
+    *BLOCK_TERMS, "weights", "accumulator", "logits",
+    *(f"{r}.{w}" for r in REMATS for w in WIDTHS),
+    *(f"loop.{r}.{w}" for r in REMATS for w in WIDTHS),
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +88,7 @@ def terms(blocks: Mapping[str, float], workload: Workload, devices: int) -> dict
     (`timing.pass_blocks`) and the shape's products (module docstring)."""
     d = workload.dims
     tokens = workload.tokens_per_device()
+    looped = workload.micro_batches > 1
     per_layer = 2.0 * tokens * d.n_layers
     widths = {"dim": d.dim, "ffn": d.ffn_dim, "kv": d.n_kv_heads * d.head_dim}
     found = {
@@ -83,11 +96,14 @@ def terms(blocks: Mapping[str, float], workload: Workload, devices: int) -> dict
         **grad_terms(blocks["grads"], devices),
         "opt_state": blocks["opt_state"],
         "weights": float(FP32 * workload.num_params * workload.micro_batches),
+        "accumulator": float(FP32 * workload.num_params) if looped else 0.0,
         "logits": float(FP32 * tokens * d.vocab_size),
     }
     for remat in REMATS:
         for name, width in widths.items():
-            found[f"{remat}.{name}"] = per_layer * width if remat == workload.remat else 0.0
+            size = per_layer * width if remat == workload.remat else 0.0
+            found[f"{remat}.{name}"] = size
+            found[f"loop.{remat}.{name}"] = size if looped else 0.0
     return found
 
 
@@ -117,11 +133,13 @@ def seconds(form: TrafficForm, sizes: Mapping[str, float], cluster: ClusterConfi
 
 
 def from_dict(values: Mapping[str, object], where: str) -> TrafficForm:
-    """A `TrafficForm` from its parsed YAML: `coefficients` by term, `activations` by remat and width."""
+    """A `TrafficForm` from its parsed YAML: `coefficients` by term, `activations` and
+    `loop_activations` by remat and width."""
     coefficients = dict(values.get("coefficients") or {})  # type: ignore[call-overload]
-    for remat, widths in (coefficients.pop("activations", None) or {}).items():
-        for width, value in (widths or {}).items():
-            coefficients[f"{remat}.{width}"] = value
+    for group, prefix in (("activations", ""), ("loop_activations", "loop.")):
+        for remat, widths in (coefficients.pop(group, None) or {}).items():
+            for width, value in (widths or {}).items():
+                coefficients[f"{prefix}{remat}.{width}"] = value
     missing, unknown = set(TERMS) - set(coefficients), set(coefficients) - set(TERMS)
     if missing or unknown:
         raise ClusterConfigError(

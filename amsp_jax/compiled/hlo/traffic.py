@@ -29,7 +29,8 @@ _SLICING_OPCODES = {"dynamic-slice", "slice"}
 
 def _in_place_update(ins: Instruction, computations: Computations) -> int:
     """Bytes a dynamic-update-slice kernel does not touch: it writes its update into its operand's buffer
-    in place, so the rest of that buffer is neither read nor written (0 for any other kernel)."""
+    in place, so the rest of that buffer is neither read nor written, and the slot it writes is not read
+    either where nothing else in the kernel reads that buffer (0 for any other kernel)."""
     if ins.opcode == "dynamic-update-slice":
         body, update = None, ins
     elif ins.opcode == "fusion":
@@ -43,7 +44,11 @@ def _in_place_update(ins: Instruction, computations: Computations) -> int:
         written = operand_bytes(update.operands[1], body or {}, update.name)
     except ValueError:
         return 0
-    return 2 * (array_bytes(ins.shape) - written)
+    buffer = operand_name(update.operands[0])
+    read_elsewhere = body is not None and any(
+        buffer in map(operand_name, other.operands) for other in body.values() if other is not update
+    )
+    return 2 * (array_bytes(ins.shape) - written) + (0 if read_elsewhere else written)
 
 
 def _read_bytes(
@@ -87,7 +92,8 @@ def memory_traffic(hlo_text: str) -> int:
     Every kernel that runs — a fusion without a dot or convolution, a copy, convert, broadcast or other
     elementwise op — counts its operands and its result once per execution (loop trip counts applied);
     of an operand it only slices, only the slices (`_read_bytes`); a dynamic-update-slice counts only
-    its update, since it writes in place. Matrix work, collectives
+    its update written and what it is computed from, since it writes in place without reading the slot
+    it overwrites. Matrix work, collectives
     and bookkeeping (tuples, parameters, bitcasts) are left out: the time model prices them apart.
     It is what a device's memory passes cost on a backend that runs each kernel from memory (XLA:CPU).
     """
