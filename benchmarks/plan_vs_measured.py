@@ -1,19 +1,22 @@
 """Predicted against measured step time: every preset, random valid strategies and the planner's choice.
 
-The run first profiles this machine (`amsp-jax profile`, written beside the results), so the time
-model (`amsp_jax.cost.timing.estimate`) prices every plan with what the machine measures now: the same
-development VM measured 57 GFLOP/s of fp32 matmuls one day and 31 the next, and a config profiled
-on another day predicts that day. `--no-profile --cluster-config NAME` prices with a stored config
-instead. For each model size every configuration is compiled, its step time predicted and
-measured: rounds of (one untimed step, then timed steps for at least `--min-seconds`, on a state each
-configuration keeps from round to round) over all configurations, each round starting one place
-later, so a slow spell of a shared machine hits them alike; how well the first half of the rounds
-orders the configurations like the second is reported as the run's repeatability. Reported per
-model, for each configuration's median step and for its fastest one (a shared machine's
-interference only ever slows a step, so the fastest is the least disturbed; the planner's choice is
-timed once, as its own row or as the row of the same plan): predicted beside measured, their ratio,
-Spearman's rank correlation, and the planner's choice against the fastest configuration measured.
-Writes a dated `plan_vs_measured_cpu8_<date>.md`, `.json` and a log-log scatter `.png`.
+The run first profiles this machine (`amsp-jax profile`, written beside the results), so the time model
+(`amsp_jax.cost.timing.estimate`) prices every plan with what the machine measures now: the same
+development VM measured 57 GFLOP/s of fp32 matmuls one day and 31 the next, and a config profiled on
+another day predicts that day. `--no-profile --cluster-config NAME` prices with a stored config instead,
+and `--no-profile --cluster-config host` with this host's own default profile, as `amsp-jax plan
+--cluster host` does (`amsp_jax.cost.host_profile`: cached, or measured first). `--micro-batches` and
+`--remat` set what every configuration runs (the planner's choice among placements is made at them). For
+each model size every configuration is compiled, its step time predicted and measured: rounds of (one
+untimed step, then timed steps for at least `--min-seconds`, on a state each configuration keeps from
+round to round) over all configurations, each round starting one place later, so a slow spell of a shared
+machine hits them alike; how well the first half of the rounds orders the configurations like the second
+is reported as the run's repeatability. Reported per model, for each configuration's median step and for
+its fastest one (a shared machine's interference only ever slows a step, so the fastest is the least
+disturbed; the planner's choice is timed once, as its own row or as the row of the same plan): predicted
+beside measured, their ratio, Spearman's rank correlation, and the planner's choice against the fastest
+configuration measured. Writes a dated `plan_vs_measured_cpu8_<date>.md`, `.json` and a log-log scatter
+`.png`.
 
 Run from the repository root:  .venv/bin/python -m benchmarks.plan_vs_measured
 """
@@ -39,7 +42,7 @@ import jax
 import amsp_jax as aj
 from amsp_jax import cli, cost
 from amsp_jax.compiled import audit
-from amsp_jax.cost import timing
+from amsp_jax.cost import host_profile, timing
 from amsp_jax.cost.hardware import load
 from amsp_jax.models.llama import Llama, LlamaConfig, llama_spec, make_loss_fn
 from amsp_jax.planner import make_request
@@ -57,6 +60,13 @@ MODELS = {
                     max_seq_len=256, name="25m"),
         32,
     ),
+    # A shape no profile's probe steps and no earlier run of this benchmark used: wider and deeper than
+    # the probe models, grouped-query attention at another ratio, a longer sequence.
+    "50m": (
+        LlamaConfig(vocab_size=16384, dim=512, n_layers=8, n_heads=8, n_kv_heads=2, ffn_dim=1536,
+                    max_seq_len=256, name="50m"),
+        96,
+    ),
 }  # fmt: skip
 
 
@@ -71,25 +81,30 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return 1 - 6 * sum((rx[i] - ry[i]) ** 2 for i in range(n)) / (n * (n * n - 1))
 
 
-def configurations(config: LlamaConfig, seq_len: int, cluster: aj.Cluster, hardware, seed: int, count: int):
+def configurations(
+    config: LlamaConfig, seq_len: int, cluster: aj.Cluster, hardware, args: argparse.Namespace
+):
     """(name, Plan) pairs: the presets, `count` random valid strategies, the planner's choice (named
     `chosen`, or where it is one of the others' plan, that one renamed `<name> (chosen)`: one program is
     timed once, since two copies of it measured up to 1.05x apart)."""
+    micro_batches, remat = args.micro_batches, args.remat
     request = make_request(
-        llama_spec(config), hardware, cluster.nodes, seq_len=seq_len, global_batch=cluster.num_devices,
-        micro_batch_size=1, remat="full",
+        llama_spec(config), hardware, cluster.nodes, seq_len=seq_len,
+        global_batch=cluster.num_devices * micro_batches, micro_batch_size=1, remat=remat,
+        tensor_degrees=(1,),
     )  # fmt: skip
     chosen = fastest(request)
     implementation = chosen.implementation
     plans = [
-        (name, aj.Plan(cluster, aj.resolve(name, cluster), 1, precision="mixed", remat="full",
-                       hierarchical=implementation.hierarchical, prefetch=implementation.prefetch))
+        (name, aj.Plan(cluster, aj.resolve(name, cluster), micro_batches, precision="mixed", remat=remat,
+                       hierarchical=implementation.hierarchical, prefetch=implementation.prefetch,
+                       keep_first_layer=implementation.keep_first_layer))
         for name in PRESETS
     ]  # fmt: skip
     terms = build_terms(request)
     seen = {str(p.strategy) for _, p in plans}
     others = [s for s in valid_strategies(terms) if str(s) not in seen]
-    for strategy in random.Random(seed).sample(others, min(count, len(others))):
+    for strategy in random.Random(args.seed).sample(others, min(args.random, len(others))):
         plans.append((str(strategy), dataclasses.replace(plans[0][1], strategy=strategy)))
     other = dataclasses.replace(plans[3][1], hierarchical=not implementation.hierarchical)
     plans.append(("zero3 flat" if implementation.hierarchical else "zero3 split", other))
@@ -106,12 +121,12 @@ def run_model(name: str, args: argparse.Namespace, say) -> dict:
     """Compile, predict and time every configuration of one model."""
     config, seq_len = MODELS[name]
     cluster = aj.Cluster(2, 4, "cpu-sim")
-    hardware = load(args.hardware)
+    hardware = cluster_config(args.hardware, cluster)
     model = Llama(config)
-    host_batch = make_batch(config, cluster.num_devices, seq_len)
+    host_batch = make_batch(config, cluster.num_devices * args.micro_batches, seq_len)
     key = jax.random.key(0)
     rows = []
-    for label, plan in configurations(config, seq_len, cluster, hardware, args.seed, args.random):
+    for label, plan in configurations(config, seq_len, cluster, hardware, args):
         trainer = aj.Trainer(plan, model, optimizer(), make_loss_fn(model))
         trainer.setup(key, host_batch["inputs"])
         batch = trainer.shard_batch(host_batch)
@@ -170,6 +185,13 @@ def run_model(name: str, args: argparse.Namespace, say) -> dict:
     }
 
 
+def cluster_config(name: str, cluster: aj.Cluster):
+    """The config every plan is priced with: this host's own profile for `host`, else a stored one."""
+    if name == host_profile.HOST:
+        return host_profile.load(cluster.nodes, cluster.devices_per_node)
+    return load(name)
+
+
 def repeatability(rows: list[dict], rounds: int) -> float:
     """Spearman between the medians of the first and the second half of the rounds: how well this run's
     measured order repeats itself, the most a predicted order can be expected to match."""
@@ -185,7 +207,10 @@ def is_chosen(row: dict) -> bool:
     return row["name"] == "chosen" or row["name"].endswith(" (chosen)")
 
 
-def write(results: list[dict], stem: Path, command: str, hardware: str, seconds: float) -> None:
+def write(
+    results: list[dict], stem: Path, command: str, hardware: str, seconds: float, micro_batches: int,
+    remat: str,
+) -> None:
     """Markdown, JSON and the scatter plot, as `stem`.md, .json and .png."""
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
     lines = [
@@ -195,7 +220,8 @@ def write(results: list[dict], stem: Path, command: str, hardware: str, seconds:
         f"- Run time {seconds:.0f} s.",
         f"- Load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs.",
         f"- Predictions priced with the cluster config {hardware}.",
-        "- Every configuration: micro-batch 1, one micro-batch per step, mixed precision, remat full; the "
+        f"- Every configuration: micro-batch 1, {micro_batches} micro-batch(es) per step, mixed precision, "
+        f"remat {remat}; the "
         "implementation (split or flat collectives, gathering ahead or not) the planner chose, except the "
         "row `zero3 flat` or `zero3 split` (zero3 in the other form).",
         "",
@@ -261,6 +287,8 @@ def main() -> None:
     parser.add_argument(
         "--min-seconds", type=float, default=0.25, help="time at least this long per configuration and round"
     )
+    parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step (of 1 sequence)")
+    parser.add_argument("--remat", default="full", choices=("none", "dots", "full"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results"))
     args = parser.parse_args()
@@ -286,7 +314,9 @@ def main() -> None:
     hardware = args.hardware
     if args.profile:
         hardware = f"`{Path(args.hardware).name}`, profiled at the start of this run"
-    write(results, stem, command, hardware, time.perf_counter() - start)
+    if args.hardware == host_profile.HOST:
+        hardware = f"`host`, this host's own default profile ({host_profile.path(2, 4).name})"
+    write(results, stem, command, hardware, time.perf_counter() - start, args.micro_batches, args.remat)
     for model in results:
         for label, s in (("medians", model), ("fastest steps", model["least"])):
             print(f"{model['model']} {label}: spearman {s['spearman']:.3f}, within {s['within']:.0%}, "

@@ -238,7 +238,8 @@ def _synthetic_probes(seed: int, counts: dict[str, float]) -> list[probe.Probe]:
 
 
 def test_probe_fit_recovers_pass_counts_bandwidth_and_overhead():
-    counts = {"params": 9.0, "grads": 2.5, "opt_state": 22.0, "model": 0.0, "activations": 40.0}
+    counts = {"params": 9.0, "grads": 2.5, "opt_state": 22.0, "model": 0.0, "activations": 40.0,
+              "accumulator": 2.0}  # fmt: skip
     passes = probe.fit(_synthetic_probes(0, counts))
     for block, count in counts.items():
         assert passes.per_byte[block] == pytest.approx(count, rel=1e-6, abs=1e-6)
@@ -251,7 +252,8 @@ def test_probe_fit_recovers_what_a_stored_p_costs_beyond_its_bytes():
     # Half the probes cast P from the master (no P block); the others pay a pass over every fp32
     # parameter byte at 1.5 GB/s that their compiled traffic does not show.
     rng = np.random.default_rng(3)
-    counts = {"params": 4.0, "grads": 2.5, "opt_state": 18.0, "model": 6.0, "activations": 30.0}
+    counts = {"params": 4.0, "grads": 2.5, "opt_state": 18.0, "model": 6.0, "activations": 30.0,
+              "accumulator": 3.0}  # fmt: skip
     probes = []
     for i in range(12):
         blocks = list(rng.uniform(1e6, 1e8, len(probe.BLOCKS)))
@@ -272,7 +274,8 @@ def test_probe_fit_prices_a_split_by_what_it_ran_beyond_its_flat_twin():
     # Four probes also run split: their own flat twin's time, 20 ms less priced collectives, plus their
     # rounded results at 0.5 GB/s; their passes, blocks and traffic are the twin's. They must not move
     # the pass fit, and the split's price is 6 bytes' worth at 3 GB/s per rounded byte.
-    counts = {"params": 4.0, "grads": 2.5, "opt_state": 18.0, "model": 6.0, "activations": 30.0}
+    counts = {"params": 4.0, "grads": 2.5, "opt_state": 18.0, "model": 6.0, "activations": 30.0,
+              "accumulator": 3.0}  # fmt: skip
     probes = _synthetic_probes(5, counts)
     flat_only = probe.fit(probes)
     assert flat_only.split_results == 2.0  # no pair timed: the compiled bytes' read and write
@@ -293,7 +296,8 @@ def test_probe_fit_scales_the_priced_compute_by_what_the_probes_ran():
     # the compute apart, the fit recovers that factor with the passes' 3 GB/s and the 5 ms fixed cost;
     # taking the compute as exact, the error lands in those two.
     rng = np.random.default_rng(4)
-    counts = {"params": 4.0, "grads": 2.5, "opt_state": 18.0, "model": 6.0, "activations": 30.0}
+    counts = {"params": 4.0, "grads": 2.5, "opt_state": 18.0, "model": 6.0, "activations": 30.0,
+              "accumulator": 3.0}  # fmt: skip
     probes = []
     for i in range(12):
         blocks = tuple(rng.uniform(1e6, 1e8, len(probe.BLOCKS)))

@@ -6,7 +6,8 @@ on the model. The profile compiles the real step for four probe LLaMA shapes und
 (`probe_steps`: 5 steps by default, all 32 with `--thorough`), reads the bytes those kernels touch from
 each compiled program (`amsp_jax.compiled.hlo.memory_traffic`), and solves for the bytes per byte of
 each block: the stored P block, the G block, the fp32 master, all parameters (the gathered weights and
-full-size gradients every placement handles) and the activations. Timing the same steps, in rounds over
+full-size gradients every placement handles), the activations and, in the steps with two micro-batches,
+the fp32 accumulator (the last three passed once per micro-batch). Timing the same steps, in rounds over
 all of them, then gives the bandwidth those kernels reach while the step runs (each block at its size's
 speed, `ClusterConfig.pass_speed`), a fixed cost per step (dispatch, the loss reduction), what a P
 stored apart from the master costs and what a split collective's rounded intermediate results cost
@@ -36,13 +37,17 @@ import numpy as np
 from amsp_jax.cost.hardware import PASS_BLOCKS as BLOCKS
 from amsp_jax.errors import AmspError
 
-# (placement, split collectives): every placement flat, and zero3 split too, so the fit sees what a split
-# costs beyond its bytes (`SPLIT_RESULTS`).
+# (placement, split collectives, micro-batches): every placement flat, zero3 split too, so the fit sees
+# what a split costs beyond its bytes (`SPLIT_RESULTS`), and a replicated and a sharded G with two
+# micro-batches, so it sees the accumulator's passes; neither of those stores P apart from the master,
+# whose cost (`STORED_PARAMS`) the fit takes once per step.
 PROBE_PLACEMENTS = (
-    *((name, False) for name in ("ddp", "zero1", "zero2", "zero3", "mics")),
-    ("p=1x1,g=4x1,os=4x1", False),
-    ("p=2x1,g=4x2,os=4x2", False),
-    ("zero3", True),
+    *((name, False, 1) for name in ("ddp", "zero1", "zero2", "zero3", "mics")),
+    ("p=1x1,g=4x1,os=4x1", False, 1),
+    ("p=2x1,g=4x2,os=4x2", False, 1),
+    ("zero3", True, 1),
+    ("ddp", False, 2),
+    ("zero3", False, 2),
 )
 
 COMPILE_THREADS = 4  # at most: each compile holds a step's program and state in memory
@@ -51,19 +56,21 @@ COMPILE_THREADS = 4  # at most: each compile holds a step's program and state in
 # `--thorough`'s 32 (every step compiles in about as long), chosen on a thorough profile's timings
 # (benchmarks/results/profile_time_*) so that each fitted number stays pinned on a busy host: probe-b
 # flat and sharded two ways spreads the memory passes far apart over one compute (the bandwidth) and
-# tells G from the optimizer state (zero1) and a stored P from none; probe-c's small step gives the
-# fixed cost; probe-a's compute-bound step gives the compute scale. No split step: a split's price
-# beyond its bytes keeps its default, which `--thorough` times.
-DEFAULT_PROBES: tuple[tuple[tuple[str, bool], ...], ...] = (
-    (("mics", False),),
-    (("ddp", False), ("zero1", False), ("zero3", False)),
-    (("p=1x1,g=4x1,os=4x1", False),),
+# tells G from the optimizer state (zero1) and a stored P from none, and with two micro-batches G
+# replicated and sharded tells the accumulator from the per-micro-batch passes; probe-c's small step
+# gives the fixed cost; probe-a's compute-bound step gives the compute scale. No split step: a split's
+# price beyond its bytes keeps its default, which `--thorough` times.
+DEFAULT_PROBES: tuple[tuple[tuple[str, bool, int], ...], ...] = (
+    (("mics", False, 1),),
+    (("ddp", False, 1), ("zero1", False, 1), ("zero3", False, 1), ("ddp", False, 2), ("zero3", False, 2)),
+    (("p=1x1,g=4x1,os=4x1", False, 1),),
     (),
 )
 # Rounds the probe steps are timed in (`_time_probes`): `--thorough` at least this many, or `--repeats`.
 ROUNDS = 2
-# Wall seconds of one run of a step of each probe model, on average over its placements, on a 2-core
-# host (benchmarks/results/profile_time_*): the profile's estimate and progress bar count them.
+# Wall seconds of one run of a one-micro-batch step of each probe model, on average over its
+# placements, on a 2-core host (benchmarks/results/profile_time_*): the profile's estimate and progress
+# bar count them, times the micro-batches.
 STEP_SECONDS = (0.77, 0.53, 0.06, 2.0)
 
 
@@ -83,6 +90,11 @@ class Probe:
     rounded: float = 0.0  # bytes of split collectives' rounded results, at scale (`cost.rounded_bytes`)
     twin: str = ""  # a split probe's flat form, by label
     compute_s: float = 0.0  # the compute in `predicted_other_s` (0: not told apart, taken as exact)
+    executions: tuple[int, ...] = ()  # passes over each block per step (`timing.pass_executions`; (): 1)
+
+    def runs(self) -> tuple[int, ...]:
+        """Passes over each block per step."""
+        return self.executions or (1,) * len(self.blocks)
 
 
 def _probe_models() -> list[tuple[Any, int]]:
@@ -105,7 +117,7 @@ def _probe_models() -> list[tuple[Any, int]]:
 
 
 def _compiled_probe(
-    cluster_config: Any, model: Any, config: Any, batch: dict, name: str, split: bool
+    cluster_config: Any, model: Any, config: Any, batch: dict, name: str, split: bool, micro_batches: int
 ) -> dict[str, Any] | None:
     """One probe step compiled and read on this host's devices: its blocks, traffic and priced time, and
     what timing it needs; None for a preset this mesh cannot hold (e.g. one device)."""
@@ -123,7 +135,7 @@ def _compiled_probe(
         strategy = aj.resolve(name, cluster)
     except ValueError:
         return None
-    plan = aj.Plan(cluster, strategy, 1, precision="mixed", remat="full", hierarchical=split,
+    plan = aj.Plan(cluster, strategy, micro_batches, precision="mixed", remat="full", hierarchical=split,
                    prefetch=False)  # fmt: skip
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=0.1))
     trainer = aj.Trainer(plan, model, optimizer, make_loss_fn(model))
@@ -136,11 +148,12 @@ def _compiled_probe(
     transfers = [t for group in timing.traffic(trainer.layout, workload).values() for t in group]
     rounding = sum(timing.rounding_time(t, cluster_config) for t in transfers)
     rounded = sum(timing.rounded_at_scale(t, cluster_config) for t in transfers)
-    label = f"{config.name} {name}"
+    label = f"{config.name} {name}" + (f" M={micro_batches}" if micro_batches > 1 else "")
     return {
         "label": f"{label} split" if split else label,
         "twin": label if split else "",
         "blocks": tuple(timing.pass_blocks(estimate.prediction.memory, workload)[b] for b in BLOCKS),
+        "executions": tuple(timing.pass_executions(micro_batches)[b] for b in BLOCKS),
         # The rounding passes are priced apart (`rounded`): the blocks' counts leave them out.
         "traffic": hlo.memory_traffic(step.as_text()) - 2 * sum(t.rounded for t in transfers),
         "other": estimate.time.compute_s + sum(estimate.time.exposed_s.values()) - rounding,
@@ -182,12 +195,12 @@ def _time_probes(compiled: list[dict[str, Any]], rounds: int, tick: Any = lambda
             tick("timed")
 
 
-def _chosen(thorough: bool, nodes: int) -> list[tuple[int, str, bool]]:
-    """(probe model's index, placement, split) of each probe step (`probe_steps`)."""
+def _chosen(thorough: bool, nodes: int) -> list[tuple[int, str, bool, int]]:
+    """(probe model's index, placement, split, micro-batches) of each probe step (`probe_steps`)."""
     if thorough:
-        chosen = [(i, name, split) for i in range(len(DEFAULT_PROBES)) for name, split in PROBE_PLACEMENTS]
+        chosen = [(i, *step) for i in range(len(DEFAULT_PROBES)) for step in PROBE_PLACEMENTS]
     else:
-        chosen = [(i, name, split) for i, steps in enumerate(DEFAULT_PROBES) for name, split in steps]
+        chosen = [(i, *step) for i, steps in enumerate(DEFAULT_PROBES) for step in steps]
     return [step for step in chosen if not (step[2] and nodes == 1)]  # one node: nothing to split
 
 
@@ -198,7 +211,7 @@ def step_count(thorough: bool, nodes: int) -> int:
 
 def run_seconds(thorough: bool, nodes: int) -> float:
     """About how long one run of every probe step takes (`STEP_SECONDS`)."""
-    return sum(STEP_SECONDS[model] for model, _, _ in _chosen(thorough, nodes))
+    return sum(STEP_SECONDS[model] * micro_batches for model, _, _, micro_batches in _chosen(thorough, nodes))
 
 
 def rounds(thorough: bool, repeats: int) -> int:
@@ -211,12 +224,12 @@ def runs(thorough: bool, repeats: int) -> int:
     return 2 * rounds(thorough, repeats) + 1
 
 
-def probe_steps(thorough: bool, nodes: int) -> list[tuple[Any, int, str, bool]]:
-    """(model, sequence length, placement, split) of each probe step: every placement of every probe
-    model where `thorough`, else the fewest that still tell each fitted number apart (module docstring;
-    benchmarks/results/profile_time_*)."""
+def probe_steps(thorough: bool, nodes: int) -> list[tuple[Any, int, str, bool, int]]:
+    """(model, sequence length, placement, split, micro-batches) of each probe step: every placement of
+    every probe model where `thorough`, else the fewest that still tell each fitted number apart (module
+    docstring; benchmarks/results/profile_time_*)."""
     models = _probe_models()
-    return [(*models[i], name, split) for i, name, split in _chosen(thorough, nodes)]
+    return [(*models[i], *step) for i, *step in _chosen(thorough, nodes)]
 
 
 def run_probes(
@@ -229,11 +242,12 @@ def run_probes(
 
     cluster = cluster_config.cluster()
 
-    def compile_one(step: tuple[Any, int, str, bool]) -> dict[str, Any] | None:
-        config, seq_len, name, split = step
-        tokens = np.random.default_rng(0).integers(0, config.vocab_size, (cluster.num_devices, seq_len + 1))
+    def compile_one(step: tuple[Any, int, str, bool, int]) -> dict[str, Any] | None:
+        config, seq_len, name, split, micro_batches = step
+        rows = cluster.num_devices * micro_batches
+        tokens = np.random.default_rng(0).integers(0, config.vocab_size, (rows, seq_len + 1))
         batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
-        found = _compiled_probe(cluster_config, Llama(config), config, batch, name, split)
+        found = _compiled_probe(cluster_config, Llama(config), config, batch, name, split, micro_batches)
         tick("compiled")
         return found
 
@@ -246,7 +260,7 @@ def run_probes(
     for found in compiled:
         probes.append(Probe(found["label"], found["blocks"], found["traffic"], found["other"],
                             statistics.median(found["times"]), found["rounded"], found["twin"],
-                            found["compute"]))  # fmt: skip
+                            found["compute"], found["executions"]))  # fmt: skip
         say(f"  probe {found['label']}: {found['traffic'] / 1e6:.0f} MB of memory passes, "
             f"{probes[-1].measured_s * 1e3:.0f} ms per step")  # fmt: skip
     return probes
@@ -273,18 +287,19 @@ def fit(probes: list[Probe], speed: Callable[[float], float] = lambda nbytes: 1.
     twin, per byte of its rounded results."""
     flat = [p for p in probes if not p.twin]
     blocks = np.array([p.blocks for p in flat])
+    passed = blocks * np.array([p.runs() for p in flat])  # bytes a step passes of each block, once
     traffic = np.array([p.traffic for p in flat], dtype=float)
     # Nonnegative by construction: a block the fit would give a negative count gets none, and the rest refit.
     active = list(range(len(BLOCKS)))
     while True:
-        counts, *_ = np.linalg.lstsq(blocks[:, active], traffic, rcond=None)
+        counts, *_ = np.linalg.lstsq(passed[:, active], traffic, rcond=None)
         if (counts >= 0).all():
             break
         active.pop(int(np.argmin(counts)))
     per_byte = dict.fromkeys(BLOCKS, 0.0)
     for i, c in zip(active, counts, strict=True):
         per_byte[BLOCKS[i]] = float(c)
-    touched = blocks * np.array([per_byte[b] for b in BLOCKS])
+    touched = passed * np.array([per_byte[b] for b in BLOCKS])
     modelled = touched.sum(axis=1)
     # The bytes the passes would touch at scale (a small block's run faster): what the times fit.
     at_scale = (touched / np.vectorize(speed)(blocks)).sum(axis=1)

@@ -29,7 +29,7 @@ are read between and beyond their sizes are `amsp_jax.cost.bandwidth`'s.
     latency: {base_us, intra_hop_us, inter_hop_us}   # optional: NCCL-style ring latency per op
     measured_on: {host, cpu, date, jax}   # optional, written by `amsp-jax profile`: where and when
     memory_passes: {bandwidth_gbps, step_overhead_ms, params, grads, opt_state, model, activations,
-                    stored_params, split_results}
+                    accumulator, stored_params, split_results}
                                   # optional, written by `amsp-jax profile`: bytes the step's memory-bound
                                   # kernels touch per byte of each block, and the bandwidth they reach;
                                   # stored_params: per fp32 parameter byte where P is stored apart;
@@ -71,6 +71,7 @@ __all__ = [  # the rate tables and units live in `cost.bandwidth`; configs name 
     "PASS_BLOCKS",
     "PASS_DEFAULTS",
     "PASS_KEYS",
+    "PER_MICRO_BATCH_BLOCKS",
     "SPLIT_RESULTS",
     "STORED_PARAMS",
     "BandwidthTable",
@@ -87,7 +88,10 @@ __all__ = [  # the rate tables and units live in `cost.bandwidth`; configs name 
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce")
 # The blocks a step's memory-bound kernels pass over (amsp_jax.cost.timing.memory_times).
-PASS_BLOCKS = ("params", "grads", "opt_state", "model", "activations")
+PASS_BLOCKS = ("params", "grads", "opt_state", "model", "activations", "accumulator")
+# The blocks passed once per micro-batch (the others once per step): every full-size weight and
+# gradient, the activations, and the fp32 accumulator each micro-batch's gradient is added into.
+PER_MICRO_BATCH_BLOCKS = ("model", "activations", "accumulator")
 # Bytes per fp32 parameter byte passed where P is stored apart from the master, since XLA:CPU converts
 # a stored 16-bit weight at each use (the probe steps' times show it, their compiled bytes do not).
 STORED_PARAMS = "stored_params"

@@ -47,8 +47,11 @@ Memory-bound work elsewhere: where the cluster config carries measured `memory_p
 writes them), every state block is priced by the bytes the compiled step's memory-bound kernels
 touch per byte of it — the stored P block (casts, the refresh), the G block (sinks, the casts
 around the reduce-scatter), the fp32 master (the optimizer update), every parameter (the gathered
-weights and full-size gradients all plans handle) and the activations — at the bandwidth those
-kernels reach in a running step, plus a fixed cost per step. On the CPU mesh these passes are most
+weights and full-size gradients all plans handle), the activations and, with micro-batches, the fp32
+accumulator each micro-batch's gradient is added into (a G-sized block passed once per micro-batch,
+so a replicated G costs M times its size: zero1 at two micro-batches is slower than zero2 by more
+than its single pass over G) — at the bandwidth those kernels reach in a running step, plus a fixed
+cost per step. On the CPU mesh these passes are most
 of a step (zero1's replicated fp32 gradient is what makes it slower than zero2 at equal bytes on
 the wire), and their speed depends on the block's size: a fresh buffer comes from pages the kernel
 maps on first touch, a small one from the allocator's reused memory and the cache. The profile
@@ -77,11 +80,18 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 
 from amsp_jax.core.mesh import AxisPlan, plan_axes
-from amsp_jax.core.schedule import COLLECTIVE_PERMUTE, PHASES, Op, grad_dtype
+from amsp_jax.core.schedule import COLLECTIVE_PERMUTE, PHASES, Op, accumulates, grad_dtype
 from amsp_jax.core.space import Placement, Strategy
 from amsp_jax.cost import memory_traffic
 from amsp_jax.cost.device_memory import Memory
-from amsp_jax.cost.hardware import PASS_BLOCKS, PASS_DEFAULTS, SPLIT_RESULTS, STORED_PARAMS, ClusterConfig
+from amsp_jax.cost.hardware import (
+    PASS_BLOCKS,
+    PASS_DEFAULTS,
+    PER_MICRO_BATCH_BLOCKS,
+    SPLIT_RESULTS,
+    STORED_PARAMS,
+    ClusterConfig,
+)
 from amsp_jax.cost.prediction import Prediction, predict
 from amsp_jax.cost.tensor_traffic import shift_phases, tensor_transfers
 from amsp_jax.cost.traffic import Transfer, issued, largest_gather_bytes, leaf_ops
@@ -299,17 +309,26 @@ def optimizer_time(memory: Memory, param_bytes: int, cluster: ClusterConfig) -> 
 
 def pass_blocks(memory: Memory, workload: Workload) -> dict[str, float]:
     """Bytes per device of each block the step's memory-bound kernels pass over
-    (`cluster_config.PASS_BLOCKS`): the stored P block (none where the gathers cast the master), the G
-    block counted in fp32 whatever its dtype (so a plan's G term does not hang on its micro-batch
-    count), the fp32 master, every parameter in fp32, the activations."""
+    (`cluster_config.PASS_BLOCKS`), for one pass: the stored P block (none where the gathers cast the
+    master), the G block counted in fp32 whatever its dtype (so a plan's G term does not hang on its
+    micro-batch count), the fp32 master, every parameter in fp32, the activations, and the fp32
+    accumulator (G's block where micro-batches accumulate, else none)."""
     grad_itemsize = jnp.dtype(grad_dtype(workload.micro_batches, workload.precision.reduce_dtype)).itemsize
+    grads = float(memory.grads) * FP32 / grad_itemsize
     return {
         "params": float(memory.params),
-        "grads": float(memory.grads) * FP32 / grad_itemsize,
+        "grads": grads,
         "opt_state": float(memory.master),
         "model": float(FP32 * workload.num_params),
         "activations": float(memory.activations),
+        "accumulator": grads if accumulates(workload.micro_batches) else 0.0,
     }
+
+
+def pass_executions(micro_batches: int) -> dict[str, int]:
+    """How many times a step passes over each block of `pass_blocks`: once per micro-batch for
+    `PER_MICRO_BATCH_BLOCKS`, once per step for the others."""
+    return {block: micro_batches if block in PER_MICRO_BATCH_BLOCKS else 1 for block in PASS_BLOCKS}
 
 
 def pass_time(block: str, nbytes: float, cluster: ClusterConfig) -> float:
@@ -341,6 +360,15 @@ def grads_time(grad_block: float, cluster: ClusterConfig) -> float:
     return pass_time("grads", grad_block, cluster)
 
 
+def accumulator_time(grad_block: float, micro_batches: int, cluster: ClusterConfig) -> float:
+    """Seconds of the passes over the fp32 accumulator that `micro_batches` micro-batches' gradients are
+    added into, on a G block of `grad_block` fp32 bytes: none with one micro-batch (no accumulator), and
+    none on a GPU priced by the traffic form, whose `accumulator` term every plan runs."""
+    if not accumulates(micro_batches) or memory_traffic.applies(cluster):
+        return 0.0
+    return pass_executions(micro_batches)["accumulator"] * pass_time("accumulator", grad_block, cluster)
+
+
 def stored_params_time(param_block: float, num_params: int, cluster: ClusterConfig) -> float:
     """Seconds a P stored apart from the master (a nonzero `param_block`) costs beyond its own block's
     passes: `stored_params` bytes per fp32 parameter byte (0 where the cluster measured none)."""
@@ -363,9 +391,10 @@ def fixed_pass_time(workload: Workload, activations: float, cluster: ClusterConf
         return traffic_time({k: v for k, v in sizes.items() if k not in memory_traffic.BLOCK_TERMS}, cluster)
     if cluster.memory_passes is None:
         return 0.0
-    weights = pass_time("model", FP32 * workload.num_params, cluster)
-    per_micro_batch = weights + pass_time("activations", activations, cluster)
-    return workload.micro_batches * per_micro_batch + cluster.step_overhead
+    runs = pass_executions(workload.micro_batches)
+    weights = runs["model"] * pass_time("model", FP32 * workload.num_params, cluster)
+    activations_s = runs["activations"] * pass_time("activations", activations, cluster)
+    return weights + activations_s + cluster.step_overhead
 
 
 def opt_state_time(memory: Memory, param_bytes: int, cluster: ClusterConfig) -> float:
@@ -391,7 +420,8 @@ def memory_times(memory: Memory, workload: Workload, cluster: ClusterConfig) -> 
     blocks = pass_blocks(memory, workload)
     return {
         "params": params_time(blocks["params"], workload.num_params, cluster),
-        "grads": grads_time(blocks["grads"], cluster),
+        "grads": grads_time(blocks["grads"], cluster)
+        + accumulator_time(blocks["accumulator"], workload.micro_batches, cluster),
         "opt_state": opt_state_time(memory, workload.precision.param_bytes, cluster),
         "every plan": fixed_pass_time(workload, blocks["activations"], cluster),
     }

@@ -20,11 +20,12 @@ share of the bytes; `price` prices a plan by the full model. With π the profile
     pair (g, o, π)     the once-per-step reduction onto OS
     pair (p, o, π)     the P refresh from the new master
     (b, r)             compute, activations; the per-micro-batch terms scale with M = n / b
+    (g, π, b)          the passes over the micro-batches' accumulator (G's block, M times)
 
 and `timing.combine` turns them into a step time with max(0, ·) per overlap window. The ILP has one
 binary per (component, placement), per micro-batch size and per remat policy, one per profile, and
 continuous product variables z for (component, placement, profile), (G, OS, profile),
-(P, OS, profile) and (b, r) tied to the binaries by assignment constraints (exact for one-hot
+(P, OS, profile), (G, profile, b) and (b, r) tied to the binaries by assignment constraints (exact for one-hot
 groups); each max(0, ·) is a continuous variable bounded below by the window's expression (big-M
 where the expression depends on b or r), exact at the optimum. Valid combinations of placements are
 enforced by the existence of the pair variables (nesting of G/OS and P/OS) and a linear constraint
@@ -338,9 +339,22 @@ class _Problem:
             # A P that is the master (no stored block) has no passes of its own.
             - scale * _total(terms.passes[("P", a, pi)] * v for (a, _, pi), v in self.from_master.items())
             + scale * _total(terms.fixed_passes[k] * w[k] for k in w)
+            + scale * self.accumulator_time()
             + _total(exposed.values())
         )
         return scale
+
+    def accumulator_time(self) -> Expression:
+        """Seconds of the passes over the micro-batches' accumulator, which depend on G's placement and
+        the micro-batch count together: products z_G · m_b (exact at the optimum, where each sits on
+        its lower bound)."""
+        prob, found = self.prob, pulp.lpSum([])
+        for (q, pi, b), seconds in self.terms.accumulator_passes.items():
+            if seconds and (q, pi) in self.terms.possible:
+                both = self.product(f"za_{q}_{pi}_{b}")
+                prob += both >= self.z[("G", q, pi)] + self.mb[b] - 1
+                found += seconds * both
+        return found
 
     def pin(self, fixed: Candidate) -> None:
         """Every binary set to `fixed`, so that the objective can be checked against the model."""

@@ -70,6 +70,8 @@ class Terms:
     reduction: dict[PairKey, float]
     refresh: dict[PairKey, float]
     passes: dict[tuple[str, Placement, int], float]  # (component, placement, π): memory-pass seconds
+    # (G placement, π, micro-batch size): seconds of the passes over the micro-batches' fp32 accumulator
+    accumulator_passes: dict[tuple[Placement, int, int], float]
     fixed_passes: dict[tuple[int, str], float]  # (micro-batch size, remat): passes every plan runs
     update: dict[tuple[Placement, Placement], float]  # (OS, largest group): the update's collectives
     # Memory (`cost.Memory`): the model states and each peak's terms, by what they depend on.
@@ -133,7 +135,8 @@ class Terms:
         s, pi = candidate.strategy, self.profile(candidate.strategy)
         return {
             "params": 0.0 if params_from_master(s) else self.passes[("P", s.params, pi)],
-            "grads": self.passes[("G", s.grads, pi)],
+            "grads": self.passes[("G", s.grads, pi)]
+            + self.accumulator_passes[(s.grads, pi, candidate.micro_batch_size)],
             "opt_state": self.passes[("OS", s.opt_state, pi)],
             "every plan": self.fixed_passes[(candidate.micro_batch_size, candidate.remat)],
         }
@@ -308,7 +311,9 @@ def _state_terms(request: Request, profiles: _Profiles, base: Workload) -> dict[
         "p_memory", "p_layer_memory", "p_other_memory", "p_lookup_memory", "p_start_memory", "g_memory",
         "g_other_memory",
     )  # fmt: skip
-    out: dict[str, dict] = {name: {} for name in (*fields, "os_memory", "os_update_memory", "passes")}
+    out: dict[str, dict] = {
+        name: {} for name in (*fields, "os_memory", "os_update_memory", "passes", "accumulator_passes")
+    }
     scanned = request.workload(micro_batches=1, remat="full")
     scanned = scanned.with_(implementation=dataclasses.replace(request.implementation, prefetch=False))
     accumulating = scanned.with_(micro_batches=2)
@@ -329,6 +334,8 @@ def _state_terms(request: Request, profiles: _Profiles, base: Workload) -> dict[
         out["os_update_memory"][(x, pi)] = float(as_os.peaks["update"].opt_state)
         out["passes"][("P", x, pi)] = timing.params_time(two.param_blocks, base.num_params, hardware)
         out["passes"][("G", x, pi)] = timing.grads_time(two.grads, hardware)  # fp32: an accumulator
+        for b, m in request.batchings():
+            out["accumulator_passes"][(x, pi, b)] = timing.accumulator_time(two.grads, m, hardware)
         out["passes"][("OS", x, pi)] = timing.opt_state_time(as_os, base.precision.param_bytes, hardware)
     return out
 
@@ -383,7 +390,7 @@ def _lays_out(request: Request, q: Placement, leaves: Iterable[Leaf]) -> bool:
 
 _STATE_FIELDS = (
     "p_memory", "p_layer_memory", "p_other_memory", "p_lookup_memory", "p_start_memory", "g_memory",
-    "g_other_memory", "os_memory", "os_update_memory", "passes", "pair_memory",
+    "g_other_memory", "os_memory", "os_update_memory", "passes", "accumulator_passes", "pair_memory",
 )  # fmt: skip
 
 
