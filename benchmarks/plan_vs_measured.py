@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import json
 import random
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -315,7 +316,9 @@ def main() -> None:
     if args.profile:
         hardware = f"`{Path(args.hardware).name}`, profiled at the start of this run"
     if args.hardware == host_profile.HOST:
-        hardware = f"`host`, this host's own default profile ({host_profile.path(2, 4).name})"
+        # The profile the run priced with, kept beside the results (the cache may be measured again).
+        shutil.copy(host_profile.path(2, 4), f"{stem}.cluster.yaml")
+        hardware = f"`host`, this host's own default profile, copied as `{stem.name}.cluster.yaml`"
     write(results, stem, command, hardware, time.perf_counter() - start, args.micro_batches, args.remat)
     for model in results:
         for label, s in (("medians", model), ("fastest steps", model["least"])):
