@@ -32,6 +32,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse
 import dataclasses
 import json
+import math
 import random
 import shutil
 import statistics
@@ -172,6 +173,7 @@ def run_model(name: str, args: argparse.Namespace, say) -> dict:
         measured = [r[key] for r in rows]
         return {
             "spearman": spearman(predicted, measured),
+            "log_error": statistics.median(abs(math.log(r[ratio])) for r in rows),
             "within": sum(0.75 <= r[ratio] <= 1.33 for r in rows) / len(rows),
             "chosen_vs_fastest": chosen[key] / min(measured),
         }
@@ -234,7 +236,8 @@ def write(
             "",
             *(
                 # Three decimals: the criteria (Spearman 0.9, the choice within 1.05x) sit on the second.
-                f"{label}: Spearman {s['spearman']:.3f}; predicted/measured within [0.75, 1.33] for "
+                f"{label}: Spearman {s['spearman']:.3f}; median |log(predicted/measured)| "
+                f"{s['log_error']:.3f} (a factor {math.exp(s['log_error']):.3f}); within [0.75, 1.33] for "
                 f"{s['within']:.0%}; the planner's choice ran {s['chosen_vs_fastest']:.3f}x the fastest.\n"
                 for label, s in (("Medians", model), ("Fastest steps", model["least"]))
             ),
