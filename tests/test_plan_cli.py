@@ -248,6 +248,31 @@ def test_probe_fit_recovers_pass_counts_bandwidth_and_overhead():
     assert passes.traffic_error < 1e-6
 
 
+def test_probe_fit_counts_the_per_micro_batch_blocks_once_per_micro_batch():
+    # Half the probes run two micro-batches: every parameter, the activations and the accumulator are
+    # passed twice (`timing.pass_executions`), the placement's blocks once; the one-micro-batch probes
+    # have no accumulator. Told the executions, the fit recovers the counts and the bandwidth.
+    rng = np.random.default_rng(6)
+    counts = {"params": 4.0, "grads": 2.5, "opt_state": 18.0, "model": 6.0, "activations": 30.0,
+              "accumulator": 3.0}  # fmt: skip
+    probes = []
+    for i in range(12):
+        micro_batches = 1 + i % 2
+        runs = timing.pass_executions(micro_batches)
+        sizes = dict(zip(probe.BLOCKS, rng.uniform(1e6, 1e8, len(probe.BLOCKS)), strict=True))
+        sizes["accumulator"] *= micro_batches > 1
+        traffic = sum(counts[b] * sizes[b] * runs[b] for b in probe.BLOCKS)
+        probes.append(probe.Probe(str(i), tuple(sizes.values()), int(traffic), 0.02 * i,
+                                  0.02 * i + 0.005 + traffic / 3e9,
+                                  executions=tuple(runs[b] for b in probe.BLOCKS)))  # fmt: skip
+    passes = probe.fit(probes)
+    for block, count in counts.items():
+        assert passes.per_byte[block] == pytest.approx(count, rel=1e-6)
+    assert passes.bandwidth == pytest.approx(3e9, rel=1e-6)
+    # Read as passed once per step, the same probes' traffic does not fit the blocks.
+    assert probe.fit([dataclasses.replace(p, executions=()) for p in probes]).traffic_error > 0.05
+
+
 def test_probe_fit_recovers_what_a_stored_p_costs_beyond_its_bytes():
     # Half the probes cast P from the master (no P block); the others pay a pass over every fp32
     # parameter byte at 1.5 GB/s that their compiled traffic does not show.
