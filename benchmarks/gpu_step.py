@@ -38,7 +38,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -288,16 +288,10 @@ def reprice_all(paths: list[Path], target: str = "h100-sxm") -> str:
     return "\n".join(lines)
 
 
-@contextmanager
-def compiled_by(report: dict[str, Any]) -> Iterator[None]:
+def compiled_by(report: dict[str, Any]) -> AbstractContextManager[None]:
     """Predict as for the XLA that compiled a recorded run (its `jax`): which GPU traffic form and
     per-version behaviours apply follows that version, not the one installed here."""
-    installed = backend.JAXLIB
-    backend.JAXLIB = report.get("jax", installed)
-    try:
-        yield
-    finally:
-        backend.JAXLIB = installed
+    return backend.predicting_for(report.get("jax"))
 
 
 def repriced(path: Path, target: str = "h100-sxm") -> tuple[dict[str, Any], str]:

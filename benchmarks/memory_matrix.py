@@ -252,8 +252,12 @@ def main(argv: list[str] | None = None) -> None:
         cluster = Cluster.detect(devices)
     else:
         devices, cluster = None, Cluster(2, 4)
-    if args.compiled_with:
-        xla_backend.JAXLIB = args.compiled_with  # predict what that version's XLA holds
+    with xla_backend.predicting_for(args.compiled_with):  # predict what that version's XLA holds
+        _run(args, devices, cluster)
+
+
+def _run(args: argparse.Namespace, devices: list[jax.Device] | None, cluster: Cluster) -> None:
+    """Compile (or read from the cache) and predict every case `args` selects, and write the table."""
     parts = [p for p in args.only.split(",") if p]
     generated = users_matrix() if args.users else matrix()
     generated = tensor_matrix(bool(args.target)) if args.tensor else generated

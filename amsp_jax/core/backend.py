@@ -7,6 +7,8 @@ from here, so the three cannot disagree.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import metadata
 
 _MIB = 1 << 20
@@ -20,6 +22,19 @@ REDUCE_SCATTER_COMBINE_BYTES = 32 * _MIB
 # jaxlib < 0.11: XLA's analytical latency estimator schedules a GPU step; later jaxlibs abort in it, so
 # the step is scheduled with a profile of its instruction costs (`compiled.xla.compile_scheduled`).
 ANALYTICAL_ESTIMATOR_BEFORE = (0, 11)
+
+
+@contextmanager
+def predicting_for(jaxlib: str | None) -> Iterator[None]:
+    """Predict as for the XLA of `jaxlib` (None: the installed one) while inside: which per-version
+    behaviours and GPU traffic form apply follows that version, for programs another jaxlib compiled."""
+    global JAXLIB
+    installed = JAXLIB
+    JAXLIB = jaxlib or installed
+    try:
+        yield
+    finally:
+        JAXLIB = installed
 
 
 def _version(jaxlib: str | None) -> tuple[int, ...]:
