@@ -48,10 +48,9 @@ def cache_key(batch: Any) -> tuple[str, tuple[Any, ...]]:
 def compile_step(program: StepProgram, state: Any, batch: Any) -> jax.stages.Compiled:
     """The compiled step for this state and batch structure, with the plan's XLA options."""
     layout = program.layout
-    ring = layout.tensor > 1 and program.plan.fused_matmul
-    options = compiler_options(
-        layout.platform, gather_bytes(program), _slop_factor(program, state, batch), layout.mesh.size, ring
-    )
+    collective_matmul = layout.tensor > 1 and program.plan.fused_matmul
+    slop, devices = _slop_factor(program, state, batch), layout.mesh.size
+    options = compiler_options(layout.platform, gather_bytes(program), slop, devices, collective_matmul)
     try:
         lowered = lower(program, state, batch)
     except TypeError as error:
@@ -70,7 +69,7 @@ def compile_step(program: StepProgram, state: Any, batch: Any) -> jax.stages.Com
             "it, e.g. with jnp.mean"
         ) from None
     if layout.mesh.devices.flat[0] in jax.devices():
-        compiled = compile_scheduled(lowered, options, layout)
+        compiled = compile_scheduled(lowered, options, layout, collective_matmul)
         check_fits(compiled, layout.mesh.devices.flat[0])
         return compiled
     # Compiled for a topology this process has no client for (a GPU target on a CPU machine): JAX's
@@ -82,7 +81,7 @@ def compile_step(program: StepProgram, state: Any, batch: Any) -> jax.stages.Com
     # compile trying them; the schedule, buffers and collectives do not depend on the tiling chosen.
     options = {**(options or {}), DEVICELESS_AUTOTUNE_OPTION: 0}
     try:
-        return compile_scheduled(lowered, options, layout)
+        return compile_scheduled(lowered, options, layout, collective_matmul)
     finally:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", least)
 

@@ -240,7 +240,9 @@ def collective_seconds(c: hlo.Collective, hardware: ClusterConfig, node_of_devic
     return hardware.collective_time(kind, level, hlo.bytes_per_device(c), c.trip_count, group, nodes)
 
 
-def compile_scheduled(lowered: Any, options: dict[str, object] | None, layout: Layout) -> Any:
+def compile_scheduled(
+    lowered: Any, options: dict[str, object] | None, layout: Layout, collective_matmul: bool = False
+) -> Any:
     """`compile_lowered`, then, where the options schedule a GPU program and a shipped cluster config
     describes its GPU (`cluster_config.for_device_kind`), once more with the first program's
     `scheduling_profile` (the second compile repeats its instruction names: the same passes run on the
@@ -250,13 +252,12 @@ def compile_scheduled(lowered: Any, options: dict[str, object] | None, layout: L
     Where the analytical estimator runs (jaxlib < 0.11) it prices the rest: with the whole profile as
     well, some looped collectives of the test model lose the compute that the estimator alone puts
     beside them. It has no runtime model for a collective-permute (XLA prices one as a kernel launch),
-    so a collective matmul's program (options with `OVERLAP_LIMIT`) is given the permutes' prices,
-    else its scheduler puts no block product beside a ring's transfer but by chance.
+    so a collective matmul's program (`collective_matmul`: a `ring` or `cannon` plan) is given the
+    permutes' prices, else its scheduler puts no block product beside a ring's transfer but by chance.
     """
     # The second compile starts from the options the first kept: no failed compile or warning twice.
     compiled, options = _compile(lowered, options)
     analytical = bool(options.get(ANALYTICAL_ESTIMATOR))
-    collective_matmul = OVERLAP_LIMIT in options
     if not options.get("xla_gpu_enable_latency_hiding_scheduler") or (analytical and not collective_matmul):
         return compiled
     cluster = layout.cluster
