@@ -3,7 +3,7 @@
 A step's memory-bound kernels (casts, gradient sinks, the optimizer update, the copies around
 collectives) read and write each state block a number of times that depends on the backend's fusion, not
 on the model. The profile compiles the real step for four probe LLaMA shapes under several placements
-(`probe_steps`: 5 steps by default, all 32 with `--thorough`), reads the bytes those kernels touch from
+(`probe_steps`: 7 steps by default, all 40 with `--thorough`), reads the bytes those kernels touch from
 each compiled program (`amsp_jax.compiled.hlo.memory_traffic`), and solves for the bytes per byte of
 each block: the stored P block, the G block, the fp32 master, all parameters (the gathered weights and
 full-size gradients every placement handles), the activations and, in the steps with two micro-batches,

@@ -43,27 +43,26 @@ first layer's gather, the last layer's reduce-scatter) is not counted, per micro
 Memory-bound work on a profiled GPU (`memory_traffic.applies`): every kernel's bytes by the fitted GPU
 traffic form (`amsp_jax.cost.memory_traffic`: per P, G and OS block, per micro-batch, the logits and
 the layers' work under the step's remat) at the fastest elementwise pass the profile measured.
-Memory-bound work elsewhere: where the cluster config carries measured `memory_passes` (`amsp-jax profile`
-writes them), every state block is priced by the bytes the compiled step's memory-bound kernels
-touch per byte of it — the stored P block (casts, the refresh), the G block (sinks, the casts
-around the reduce-scatter), the fp32 master (the optimizer update), every parameter (the gathered
-weights and full-size gradients all plans handle), the activations and, with micro-batches, the fp32
-accumulator each micro-batch's gradient is added into (a G-sized block passed once per micro-batch,
-so a replicated G costs M times its size: zero1 at two micro-batches is slower than zero2 by more
-than its single pass over G) — at the bandwidth those kernels reach in a running step, plus a fixed
-cost per step. On the CPU mesh these passes are most
-of a step (zero1's replicated fp32 gradient is what makes it slower than zero2 at equal bytes on
-the wire), and their speed depends on the block's size: a fresh buffer comes from pages the kernel
-maps on first touch, a small one from the allocator's reused memory and the cache. The profile
-measures that curve (`memory_bandwidths`) and each block runs at its size's speed relative to the
-largest. A P stored apart from the master costs more than its block's bytes say: XLA:CPU computes a
-bf16 matmul in fp32, so a stored 16-bit weight is converted from memory at each of its uses, where
-the master gathered for zero3 is cast in cache; the probe steps' times give it as `stored_params`
-bytes per fp32 parameter byte (`stored_params_time`). A collective split into
-stages on a backend that runs it wider than its dtype (XLA:CPU, bf16) rounds each stage's result in
-a kernel of its own before the next stage reads it (`cost.rounded_bytes`: exactly the compiled bytes a
-split step adds over its flat form); those passes belong to the collective (`rounding_time`), priced
-at `split_results` bytes per byte, which the probe steps time zero3 split against flat for.
+Memory-bound work elsewhere: where the cluster config carries measured `memory_passes` (`amsp-jax
+profile` writes them), every state block is priced by the bytes the compiled step's memory-bound kernels
+touch per byte of it — the stored P block (casts, the refresh), the G block (sinks, the casts around the
+reduce-scatter), the fp32 master (the optimizer update), every parameter (the gathered weights and
+full-size gradients all plans handle), the activations and, with micro-batches, the fp32 accumulator
+each micro-batch's gradient is added into (a G-sized block passed once per micro-batch, so a replicated
+G costs M times its size: zero1 at two micro-batches is slower than zero2 by more than its single pass
+over G) — at the bandwidth those kernels reach in a running step, plus a fixed cost per step. On the CPU
+mesh these passes are most of a step (zero1's replicated fp32 gradient is what makes it slower than
+zero2 at equal bytes on the wire), and their speed depends on the block's size: a fresh buffer comes
+from pages the kernel maps on first touch, a small one from the allocator's reused memory and the cache.
+The profile measures that curve (`memory_bandwidths`) and each block runs at its size's speed relative
+to the largest. A P stored apart from the master costs more than its block's bytes say: XLA:CPU computes
+a bf16 matmul in fp32, so a stored 16-bit weight is converted from memory at each of its uses, where the
+master gathered for zero3 is cast in cache; the probe steps' times give it as `stored_params` bytes per
+fp32 parameter byte (`stored_params_time`). A collective split into stages on a backend that runs it
+wider than its dtype (XLA:CPU, bf16) rounds each stage's result in a kernel of its own before the next
+stage reads it (`cost.rounded_bytes`: exactly the compiled bytes a split step adds over its flat form);
+those passes belong to the collective (`rounding_time`), priced at `split_results` bytes per byte, which
+the probe steps time zero3 split against flat for.
 Without measured passes or a profiled GPU only the optimizer update is priced: it reads the fp32 gradient,
 reads and writes the master and the moments and writes the compute copy, all on the OS block, at
 the device's HBM bandwidth.
