@@ -70,7 +70,7 @@ def widens_16bit_dots(platform: str, jaxlib: str | None = None) -> bool:
 # to fill the GPU into fp32 partial sums: 1,048,576 outputs or fewer (a 1,024-wide attention output
 # projection's weight gradient in 2 parts, a 256-token vocabulary slice of a 2,048-wide head in 4, every
 # gemm of the 64-wide `tiny` in 16), never 2,097,152 or more (benchmarks/results/
-# memory_backward_terms_h100-sxmx16-compiled_20261201-2300.md).
+# memory_backward_terms_h100-sxmx16-compiled_20261201-2333.md).
 SPLIT_CONTRACTION_MAX = 1 << 20
 # The parts hold this many fp32 partial sums between them, in at most `MAX_SPLIT` parts.
 SPLIT_PARTIAL_SUMS = 1 << 21
@@ -110,7 +110,7 @@ def ffn_tensors_in_backward(platform: str) -> int:
     XLA:GPU fuses the gate's sigmoid and silu into the kernels that read the up-projections, so a
     layer's backward holds both recomputed up-projections and the gradients of the gated product and
     of the silu, four (jaxlib 0.10.2 and 0.12.0.1: LLaMA-1B's, 2,048 and LLaMA-7B's widths at 2,048-8,192
-    tokens, t = 1 and 4; benchmarks/results/memory_backward_terms_h100-sxmx16-compiled_20261201-2300.md).
+    tokens, t = 1 and 4; benchmarks/results/memory_backward_terms_h100-sxmx16-compiled_20261201-2333.md).
     XLA:CPU's count is the six of the saved residuals (both projections, the sigmoid, the silu and
     their product), within the CPU-compiled matrix's bounds.
     """
