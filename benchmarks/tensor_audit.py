@@ -57,10 +57,14 @@ def model_config(name: str) -> LlamaConfig:
 
 def run_case(
     target: str | None, model_name: str, strategy: str, sp: bool, micro: int, remat: str, precision: str,
-    form: str = "gather",
+    form: str = "gather", seq: int = 0, layers: int = 0,
 ):  # fmt: skip
-    """Set up the plan's Trainer (compiled for `target` GPUs, or on the CPU mesh) and audit its step."""
+    """Set up the plan's Trainer (compiled for `target` GPUs, or on the CPU mesh) and audit its step
+    (`seq`: tokens per sequence, `layers`: the depth; the model's own by default)."""
     config = model_config(model_name)
+    config = dataclasses.replace(
+        config, max_seq_len=seq or config.max_seq_len, n_layers=layers or config.n_layers
+    )
     devices = gpu_target.topology(target, 2, 8) if target else None
     cluster = aj.Cluster.detect(devices) if devices else aj.Cluster(2, 4)
     plan = aj.Plan(

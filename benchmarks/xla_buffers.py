@@ -4,8 +4,9 @@ scheduled instruction the bytes of XLA's one temporary allocation that its live 
 offset ranges united, so buffers sharing an offset count once), where that peaks, and every buffer
 live there with its size, live range and the JAX operation that made it.
 
-    python -m benchmarks.xla_buffers [--form gather] [--strategy t=4,zero3] [--remat full] [--vocab N]
-        [--at I] [--out DIR]
+    python -m benchmarks.xla_buffers [--model wide] [--layers N] [--seq N] [--form gather]
+        [--strategy t=4,zero3] [--no-sp] [--micro M] [--remat full] [--vocab N] [--at I | --backward]
+        [--out DIR]
 
 writes a dated benchmarks/results/xla_buffers_h100x16-compiled-jaxlib<version>_<date>.md. Read from
 `*-buffer-assignment.txt` (each buffer's offset and size in the temporary allocation, loop-carried
@@ -144,13 +145,28 @@ def _train_step_module(dump: Path) -> str:
     )
 
 
-def report(dump: Path, at: int | None) -> list[str]:
-    """Markdown lines: the allocation, the occupied peak, and every buffer live at it (or at `at`)."""
+def backward_span(buffers: list[Buffer]) -> tuple[int, int]:
+    """The first and last instruction that starts a buffer of the layers' backward proper (a layer's
+    gradient computation, not its recomputed forward)."""
+    starts = [
+        b.start for b in buffers
+        if b.op.startswith("transpose(") and "/layers/" in b.op and "checkpoint/block/" in b.op
+        and "rematted" not in b.op
+    ]  # fmt: skip
+    return min(starts), max(starts)
+
+
+def report(dump: Path, at: int | None, backward: bool = False) -> list[str]:
+    """Markdown lines: the allocation, the occupied peak, and every buffer live at it (or at `at`, or
+    at the occupied peak inside the layers' backward)."""
     module = _train_step_module(dump)
     size, sequence, buffers = live_buffers(dump, module)
     used = profile(sequence, buffers)
     peak = max(range(len(used)), key=used.__getitem__)
     where = peak if at is None else at
+    if backward:
+        first, last = backward_span(buffers)
+        where = max(range(first, last + 1), key=used.__getitem__)
     live = sorted((b for b in buffers if b.start <= where <= b.end), key=lambda b: (-b.size, b.name))
     listed = [b for b in live if b.size >= _LISTED]
     lines = [
@@ -182,13 +198,19 @@ def _dump_dir() -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="wide", help="`wide` or a shipped model (`llama-1b`)")
+    parser.add_argument("--layers", type=int, default=0, help="the model's depth (default its own)")
+    parser.add_argument("--seq", type=int, default=0, help="tokens per sequence (default the model's)")
     parser.add_argument("--form", default="gather", choices=("gather", "ring", "cannon"))
     parser.add_argument("--strategy", default="t=4,zero3", help="sequence parallel with a tensor axis")
     parser.add_argument("--remat", default="full", choices=("full", "dots", "none"))
     parser.add_argument(
         "--vocab", type=int, default=0, help="the `wide` model's vocabulary (default its own)"
     )
+    parser.add_argument("--micro", type=int, default=1, help="micro-batches")
+    parser.add_argument("--no-sp", action="store_true", help="no sequence parallelism on the tensor axis")
     parser.add_argument("--at", type=int, default=None, help="list the buffers live at this instruction")
+    parser.add_argument("--backward", action="store_true", help="list them at the layers' backward's peak")
     parser.add_argument("--out", default=str(results_file.RESULTS))
     args = parser.parse_args(argv)
     import jaxlib
@@ -197,19 +219,22 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.vocab:
         tensor_audit.WIDE = dataclasses.replace(tensor_audit.WIDE, vocab_size=args.vocab)
-    strategy, sp = args.strategy, args.strategy.startswith("t=")
-    case = ("h100-sxm", "wide", strategy, sp, 1, args.remat, "mixed", args.form)
-    _, audit_report = tensor_audit.run_case(*case)
+    strategy, sp = args.strategy, args.strategy.startswith("t=") and not args.no_sp
+    case = ("h100-sxm", args.model, strategy, sp, args.micro, args.remat, "mixed", args.form)
+    _, audit_report = tensor_audit.run_case(*case, seq=args.seq, layers=args.layers)
     compiled, predicted = audit_report.measured.memory_bytes, audit_report.predicted.memory
-    vocab = tensor_audit.WIDE.vocab_size
+    c = tensor_audit.model_config(args.model)
+    seq = args.seq or c.max_seq_len
+    shape = f"{c.dim:,} wide, {args.layers or c.n_layers} layers, seq {seq:,}, vocabulary {c.vocab_size:,}"
     lines = [
         results_file.header("XLA's temporaries at a step's peak, from its buffer assignment and live ranges"),
-        f"`wide` (2,048 wide, 4 layers, seq 2,048, vocabulary {vocab:,}), {strategy}, {args.form} form, "
+        f"`{args.model}` ({shape}), {strategy}, {args.form} form, "
         f"{'SP' if sp else 'no SP'}, "
-        f"M = 1, remat {args.remat}, mixed, compiled for 2 x 8 H100s. Compiled {compiled:,} B, predicted "
+        f"M = {args.micro}, remat {args.remat}, mixed, compiled for 2 x 8 H100s. Compiled {compiled:,} B, "
+        "predicted "
         f"{predicted.total:,} B at the {predicted.peak_name} peak (ratio {audit_report.memory_ratio:.3f}).",
         "",
-        *report(_dump_dir(), args.at),
+        *report(_dump_dir(), args.at, args.backward),
     ]
     hardware = f"h100x16-compiled-jaxlib{jaxlib.__version__}"
     stem = results_file.dated_stem(args.out, "xla_buffers", hardware)

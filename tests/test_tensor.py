@@ -263,7 +263,8 @@ except gpu_target.TargetError as error:
 
 # Compiled for 2 nodes of 8 H100s: XLA:GPU's own schedule, fusion and collective passes. The ring form
 # on a model 2,048 wide: its transfers hide behind the block products. The cannon form with
-# micro-batches: the head's kernel moves hoisted out of their loop, as on the CPU.
+# micro-batches: the head's kernel moves hoisted out of their loop, as on the CPU. The gather form 2,048
+# wide at t = 4 (issue 44): its memory within 10 % of the prediction, the layers' backward its peak.
 WIDE = LlamaConfig(
     vocab_size=1024, dim=2048, n_layers=4, n_heads=16, n_kv_heads=16, ffn_dim=5632, max_seq_len=2048
 )
@@ -273,12 +274,13 @@ NARROW = LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=4
 @pytest.mark.skipif(bool(MISSING), reason=MISSING)
 @pytest.mark.parametrize(("strategy", "sequence_parallel", "micro_batches", "form"), [
     ("t=2,zero3", True, 2, "gather"), ("t=4,p=2x2,g=2x2,os=2x2", False, 1, "gather"),
-    ("t=2,zero3", True, 1, "ring"), ("t=4,zero3", True, 3, "cannon"),
+    ("t=2,zero3", True, 1, "ring"), ("t=4,zero3", True, 3, "cannon"), ("t=4,zero3", True, 1, "wide gather"),
 ])  # fmt: skip
 def test_h100_compiled_bytes_equal_the_prediction(strategy, sequence_parallel, micro_batches, form):
     devices = gpu_target.topology("h100-sxm", 2, 8)
     cluster = aj.Cluster.detect(devices)
-    config = WIDE if form == "ring" else NARROW
+    wide, form = form == "ring" or form.startswith("wide "), form.removeprefix("wide ")
+    config = WIDE if wide else NARROW
     plan = aj.Plan(
         cluster, aj.resolve(strategy, cluster), micro_batches, precision="mixed",
         sequence_parallel=sequence_parallel, tensor_matmul=form,
@@ -292,6 +294,9 @@ def test_h100_compiled_bytes_equal_the_prediction(strategy, sequence_parallel, m
     report = audit.audit_trainer(trainer, {"inputs": tokens, "targets": tokens}, cost.llama_dims(config))
     assert report.bytes_match, report.table()
     assert any(t.phase.startswith("tensor boundaries") for t in report.predicted.transfers)
+    if wide and form == "gather":
+        assert report.predicted.memory.peak_name == "backward"
+        assert abs(report.memory_ratio - 1) <= 0.10, report.table()
     if form == "ring":
         # At least 90 % of the ring's bytes have a gemm between their transfer's start and done.
         hidden, total = report.measured.hidden_bytes("collective-permute")

@@ -81,37 +81,55 @@ def widens_16bit_dots(platform: str, jaxlib: str | None = None) -> bool:
     return platform == "cpu" and _version(jaxlib) < (0, 11)
 
 
-# XLA:GPU from jaxlib 0.11 splits the contraction of a gemm whose output is too small to fill the GPU
-# into fp32 partial sums: every gemm of the 64-wide `tiny` (the head's weight gradient, 16,384 outputs,
-# in 16 parts), none at widths of 1,024 and more (the head's 4,194,304 outputs whole).
-SPLIT_CONTRACTION_BELOW = 1 << 20
+# XLA:GPU (jaxlib 0.10.2 and 0.12.0.1 alike) splits the contraction of a gemm whose output is too small
+# to fill the GPU into fp32 partial sums: 1,048,576 outputs or fewer (a 1,024-wide attention output
+# projection's weight gradient in 2 parts, a 256-token vocabulary slice of a 2,048-wide head in 4, every
+# gemm of the 64-wide `tiny` in 16), never 2,097,152 or more (benchmarks/results/
+# memory_backward_terms_h100-sxmx16-compiled_20261201-2333.md).
+SPLIT_CONTRACTION_MAX = 1 << 20
+# The parts hold this many fp32 partial sums between them, in at most `MAX_SPLIT` parts.
+SPLIT_PARTIAL_SUMS = 1 << 21
+MAX_SPLIT = 16
 
 
-def splits_contraction(platform: str, outputs: int, jaxlib: str | None = None) -> bool:
-    """Whether XLA splits a gemm of `outputs` output elements into fp32 partial sums over its
-    contraction (`SPLIT_CONTRACTION_BELOW`); the model does not price the partial sums."""
-    return (
-        platform != "cpu"
-        and _version(jaxlib) >= ANALYTICAL_ESTIMATOR_BEFORE
-        and outputs < SPLIT_CONTRACTION_BELOW
-    )
+def contraction_parts(platform: str, outputs: int) -> int:
+    """In how many fp32 partial sums over its contraction XLA computes a gemm of `outputs` output
+    elements (1: whole; `SPLIT_CONTRACTION_MAX`)."""
+    if platform == "cpu" or outputs > SPLIT_CONTRACTION_MAX:
+        return 1
+    return min(MAX_SPLIT, SPLIT_PARTIAL_SUMS // outputs)
 
 
 def keeps_logits_gradient(platform: str, jaxlib: str | None = None, head_outputs: int | None = None) -> bool:
-    """Whether the logits' gradient stays live through the layers' backward; `head_outputs`: the
-    elements of the head's weight gradient (one tensor rank's), None for a wide one.
+    """Whether the head's weight gradient runs after the layers' backward, keeping its two operands (the
+    logits' gradient and the head's input) through it; `head_outputs`: the elements of the head's weight
+    gradient (one tensor rank's), None for a wide one.
 
-    XLA:GPU computes the head's weight gradient after the layers and keeps the logits' gradient for it
-    (jaxlib 0.10.2 and 0.12.0.1: Llama-3.2-1B's shape, LLaMA-7B's width and 1,024 wide on 2 × 8 H100s,
-    benchmarks/results/memory_gpu_start_and_logits_h100-sxmx16-compiled_20261201-1929.md).
-    Where jaxlib 0.11 and later split that gemm's contraction (`splits_contraction`: the 64-wide
-    `tiny`), the split gemm runs at the loss and frees the logits' gradient there, as XLA:CPU's
-    schedule does on every version
+    XLA:GPU computes the head's weight gradient after the layers (jaxlib 0.10.2 and 0.12.0.1:
+    Llama-3.2-1B's shape, LLaMA-1B's and 7B's widths and 1,024 and 2,048 wide on 2 × 8 H100s,
+    benchmarks/results/memory_gpu_start_and_logits_h100-sxmx16-compiled_20261201-1929.md), split in 4
+    parts too (`contraction_parts`: 2,048 wide at t = 4). Where jaxlib 0.11 and later split that gemm
+    into its most parts (the 64-wide `tiny`), the split gemm runs at the loss and frees the logits'
+    gradient there, as XLA:CPU's schedule does on every version
     (benchmarks/results/memory_logits_gradient_h100-sxmx16-compiled_20261128-0157.md).
     """
     if platform == "cpu":
         return False
-    return head_outputs is None or not splits_contraction(platform, head_outputs, jaxlib)
+    most = head_outputs is not None and contraction_parts(platform, head_outputs) == MAX_SPLIT
+    return not (most and _version(jaxlib) >= ANALYTICAL_ESTIMATOR_BEFORE)
+
+
+def ffn_tensors_in_backward(platform: str) -> int:
+    """How many ffn-sized tensors a layer's backward holds at its peak.
+
+    XLA:GPU fuses the gate's sigmoid and silu into the kernels that read the up-projections, so a
+    layer's backward holds both recomputed up-projections and the gradients of the gated product and
+    of the silu, four (jaxlib 0.10.2 and 0.12.0.1: LLaMA-1B's, 2,048 and LLaMA-7B's widths at 2,048-8,192
+    tokens, t = 1 and 4; benchmarks/results/memory_backward_terms_h100-sxmx16-compiled_20261201-2333.md).
+    XLA:CPU's count is the six of the saved residuals (both projections, the sigmoid, the silu and
+    their product), within the CPU-compiled matrix's bounds.
+    """
+    return 6 if platform == "cpu" else 4
 
 
 def writes_logits_gradient_in_place(platform: str, jaxlib: str | None = None) -> bool:

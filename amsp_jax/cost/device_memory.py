@@ -57,11 +57,12 @@ class Memory:
       - `loss`: the saved layer inputs, the gathered leaves outside the layers (the head; a table the
         forward only indexes, the input embedding, only where they are held), the logits and their
         gradient (one buffer where the backend writes it over them, `writes_logits_gradient_in_place`);
-      - `backward`, inside the layer loop: the saved inputs, the logits' gradient where the backend
-        keeps it (`keeps_logits_gradient`), one layer's backward (`layer_backward`: a blockwise
-        attention's tile of scores peaks apart from the rest of the layer), its full-size weight
-        gradient and its gathered weights (three layers in the explicit-prefetch loop); the gradients
-        of the leaves outside the layers are not computed yet;
+      - `backward`, inside the layer loop: the saved inputs, the head's operands (the logits' gradient
+        and the head's input) where the backend computes the head's weight gradient after the layers
+        (`keeps_logits_gradient`), the rotary tables, one layer's backward (`layer_backward`: a
+        blockwise attention's tile of scores peaks apart from the rest of the layer), its full-size
+        weight gradient and its gathered weights (three layers in the explicit-prefetch loop); the
+        gradients of the leaves outside the layers are not computed yet;
       - `update`: the new master and moments, where XLA does not write them over the old
         (`Workload.update_in_place`);
       - `refresh`: a P that is stored and less sharded than OS is gathered leaf by leaf into a new
@@ -205,14 +206,14 @@ def attention_kind(workload: Workload) -> str:
 
 
 def keeps_logits_gradient(workload: Workload, split: TensorSplit = WHOLE) -> bool:
-    """Whether the logits' gradient stays live through the layers' backward
-    (`backend.keeps_logits_gradient`: XLA:GPU, unless it splits the head's weight-gradient gemm)."""
+    """Whether the head's weight gradient runs after the layers' backward, keeping its operands through it
+    (`backend.keeps_logits_gradient`: XLA:GPU, unless it splits that gemm into its most parts)."""
     head_outputs = workload.dims.dim * split.units(workload.dims.vocab_size)
     return backend.keeps_logits_gradient(workload.platform, head_outputs=head_outputs)
 
 
 def logits_bytes(workload: Workload, split: TensorSplit = WHOLE) -> tuple[int, int]:
-    """(bytes the loss's peak holds for the logits, bytes of the logits' gradient kept through the
+    """(bytes the loss's peak holds for the logits, bytes the head's weight gradient keeps through the
     layers' backward) per micro-batch and device.
 
     Without a tensor axis the loss holds two logits-sized buffers in the activations' dtype (the logits
@@ -221,13 +222,16 @@ def logits_bytes(workload: Workload, split: TensorSplit = WHOLE) -> tuple[int, i
     gathers the whole logits for the loss, which keeps only the rank's slice of their gradient: the
     gathered logits beside the gather's input slice, and XLA:GPU's gradient slice (it fuses the loss
     into the gathered logits' consumers) or XLA:CPU's second whole buffer (the loss's select over the
-    vocabulary). The head's weight gradient keeps the slice through the layers' backward where the
-    backend keeps the logits' gradient (`keeps_logits_gradient`).
+    vocabulary). Where the backend runs the head's weight gradient after the layers
+    (`keeps_logits_gradient`), it keeps both its operands through the layers' backward: the slice and
+    the head's input.
     """
     tokens = workload.micro_batch_size * workload.seq_len
     whole = tokens * workload.dims.vocab_size * activation_itemsize(workload)
     local = split.units(whole)
-    kept = local if keeps_logits_gradient(workload, split) else 0
+    # The head's input: the final norm's output, whole (gathered over the sequence under a tensor axis).
+    head_input = tokens * workload.dims.dim * activation_itemsize(workload)
+    kept = local + head_input if keeps_logits_gradient(workload, split) else 0
     if split.degree == 1:
         return (1 if backend.writes_logits_gradient_in_place(workload.platform) else 2) * whole, kept
     return whole + local + (local if workload.platform != "cpu" else whole), kept
@@ -290,11 +294,24 @@ def _layer_activations(workload: Workload, act: int, attention: str, split: Tens
     return kept, full_layer
 
 
+def weight_gradient_partials(workload: Workload, split: TensorSplit = WHOLE) -> int:
+    """Bytes of the fp32 partial sums of the largest of a layer's weight-gradient gemms that the backend
+    splits over their contraction (`backend.contraction_parts`), one gemm's at a time, per tensor rank:
+    the attention's output projection, its q, k and v projections (one gemm) and an ffn projection."""
+    d = workload.dims
+    q, kv = d.n_heads * d.head_dim, 2 * d.n_kv_heads * d.head_dim
+    outputs = (d.dim * split.units(q), d.dim * split.units(q + kv), d.dim * split.units(d.ffn_dim))
+    parts = [(backend.contraction_parts(workload.platform, n), n) for n in outputs]
+    return max((k * n * FP32 for k, n in parts if k > 1), default=0)
+
+
 def layer_backward(workload: Workload, split: TensorSplit = WHOLE) -> tuple[int, int]:
     """(bytes kept per layer for the backward pass, bytes one layer's backward holds at its peak) per
     micro-batch and device, on the step's backend (`activation_itemsize`, `attention_kind`); `split`:
     one tensor rank's part (`TensorSplit`).
 
+    The layer holds the backend's ffn-sized tensors (`backend.ffn_tensors_in_backward`) and one split
+    weight gradient's fp32 partial sums (`weight_gradient_partials`).
     A blockwise attention's backward peaks apart from the rest of the layer, at one tile's fp32 score
     buffers beside the attention's inputs, output and fp32 gradient accumulators. Where the sequence is
     one tile, XLA computes the tile's probabilities (and their 16-bit cast for dV's matmul) ahead of
@@ -308,6 +325,9 @@ def layer_backward(workload: Workload, split: TensorSplit = WHOLE) -> tuple[int,
     act, compute = activation_itemsize(workload), workload.precision.param_bytes
     kind = attention_kind(workload)
     kept, layer = _layer_activations(workload, act, kind, split)
+    # The ffn-sized tensors the backend holds at the layer's peak beside the six the residuals count.
+    layer += (backend.ffn_tensors_in_backward(workload.platform) - 6) * act * tokens * split.units(d.ffn_dim)
+    layer += weight_gradient_partials(workload, split)
     if kind != "blockwise":
         return kept, layer
     scores = _score_block(workload, split)
@@ -428,13 +448,15 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
     held_other = other_extra if held else 0
     # Gathered once and not held, a table the forward only indexes is dead after the lookup.
     at_loss = other_extra if held else other_extra - s["looked_up_extra"]
+    # The rotary embedding's fp32 cosine and sine tables, live from the forward to the last backward.
+    rotary = workload.seq_len * workload.dims.head_dim * FP32
     # A kept first layer is held through every micro-batch: priced with the activations, which are
     # priced per batching, since it is the same whatever the placement.
     peaks = {
         "start": _start_peak(axes, workload, s),
         "loss": Peak(
             gathered=at_loss + s["fp32_copies"], grads=accumulation_at_loss, p_with_os=transposed,
-            activations=saved + logits + first_layer + fused_loss,
+            activations=saved + logits + first_layer + fused_loss + rotary,
         ),
         "backward": Peak(
             gathered=(3 if prefetch else 1) * s["layer_extra"] + held_other + s["fp32_copies"],
@@ -442,7 +464,7 @@ def memory(axes: AxisPlan, workload: Workload) -> Memory:
             p_with_os=transposed,
             activations=(
                 saved + kept_logits + layer_peak + layer_gradients_held(workload, split) * s["layer_grad"]
-                + first_layer + fused_backward
+                + first_layer + fused_backward + rotary
             ),
         ),
         "update": Peak(opt_state=0 if workload.update_in_place else trained_master),
