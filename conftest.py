@@ -15,15 +15,16 @@ import os
 import shutil
 import tempfile
 
+from amsp_jax.core.backend import cpu_flags
+
 # LLVM's lowest optimisation level for the kernels XLA generates: a test's compile takes about half
 # as long (a zero3 step of the tiny model: 13.1 s -> 6.9 s) and nothing a test asserts changes: the
 # HLO passes, the schedule, buffer assignment (compiled memory), the collectives and the losses are the
 # same (checked on that step, and on a step compiled for H100s: the same overlap audit). Only the
 # generated code runs slower, which the tests' tiny models do not feel.
 FAST_CODEGEN = "--xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8", FAST_CODEGEN]
-).strip()
+# The CPU platform as the library runs it (`core.backend.cpu_flags`, which imports no JAX): 8 devices.
+os.environ["XLA_FLAGS"] = cpu_flags(f"{os.environ.get('XLA_FLAGS', '')} {FAST_CODEGEN}", 8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:

@@ -31,12 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from amsp_jax.core.backend import cpu_flags  # imports no JAX
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--target" not in " ".join(sys.argv):
     # The CPU mesh: 8 simulated devices, set before JAX starts.
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    os.environ["XLA_FLAGS"] = cpu_flags(os.environ.get("XLA_FLAGS", ""), 8)
 # LLVM's lowest level, as the tests compile: buffer assignment (the compiled memory) is the same.
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 

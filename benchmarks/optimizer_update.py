@@ -29,6 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from amsp_jax.core.backend import cpu_flags  # noqa: E402
 from benchmarks import results_file  # noqa: E402
 
 GB = 1e9
@@ -54,9 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     devices = args.nodes * args.devices_per_node
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ["XLA_FLAGS"] = (
-        f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
-    )
+    os.environ["XLA_FLAGS"] = cpu_flags(os.environ.get("XLA_FLAGS", ""), devices)
     from amsp_jax.core.config_files import find
     from amsp_jax.models.llama import LlamaConfig
 
@@ -254,8 +253,9 @@ def _gb(totals: dict[str, int], level: str) -> float:
 def report(args: argparse.Namespace, config: Any, rows: list[dict], whole: list[dict]) -> str:
     """The results as Markdown."""
     lines = [
-        results_file.header("The optimizer update's collectives: the cost model's rules against compiled HLO")
-        .rstrip(),
+        results_file.header(
+            "The optimizer update's collectives: the cost model's rules against compiled HLO"
+        ).rstrip(),
         "",
         f"{args.model} on {args.nodes} x {args.devices_per_node} = {args.nodes * args.devices_per_node} "
         "devices (CPU mesh, compile only). Per leaf: the real optax update of that leaf, placed as the "

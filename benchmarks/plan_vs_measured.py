@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import os
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+from amsp_jax.core.backend import cpu_flags  # imports no JAX
+
+os.environ["XLA_FLAGS"] = cpu_flags(os.environ.get("XLA_FLAGS", ""), 8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
@@ -199,6 +200,7 @@ def cluster_config(name: str, cluster: aj.Cluster):
 def repeatability(rows: list[dict], rounds: int) -> float:
     """Spearman between the medians of the first and the second half of the rounds: how well this run's
     measured order repeats itself, the most a predicted order can be expected to match."""
+
     def half(first: bool) -> list[float]:
         pairs = [zip(row["times"], row["rounds"], strict=True) for row in rows]
         return [statistics.median(t for t, r in timed if (r < rounds // 2) == first) for timed in pairs]
@@ -212,7 +214,12 @@ def is_chosen(row: dict) -> bool:
 
 
 def write(
-    results: list[dict], stem: Path, command: str, hardware: str, seconds: float, micro_batches: int,
+    results: list[dict],
+    stem: Path,
+    command: str,
+    hardware: str,
+    seconds: float,
+    micro_batches: int,
     remat: str,
 ) -> None:
     """Markdown, JSON and the scatter plot, as `stem`.md, .json and .png."""
@@ -313,9 +320,11 @@ def main() -> None:
     results = [run_model(name, args, lambda m: print(m, flush=True)) for name in args.models.split(",")]
     hidden = {"out", "hardware", "profile"} | ({"cluster_config"} if args.profile else set())
     shown = {k: v for k, v in vars(args).items() if k not in hidden}
-    command = ".venv/bin/python -m benchmarks.plan_vs_measured " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in shown.items()
-    ) + ("" if args.profile else " --no-profile")
+    command = (
+        ".venv/bin/python -m benchmarks.plan_vs_measured "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in shown.items())
+        + ("" if args.profile else " --no-profile")
+    )
     hardware = args.hardware
     if args.profile:
         hardware = f"`{Path(args.hardware).name}`, profiled at the start of this run"

@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from amsp_jax.core.backend import DEVICE_COUNT_FLAG, cpu_flags
 from benchmarks import results_file
 
 
@@ -28,8 +29,8 @@ def profile_run(devices: int, thorough: bool, out: Path) -> dict[str, object]:
     the summary lines it printed; the profile is written to `out`."""
     argv = ["profile", "--out", str(out), "--no-progress", *(["--thorough"] if thorough else [])]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+    flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG))
+    env["XLA_FLAGS"] = cpu_flags(flags, devices)
     load = os.getloadavg()[0]
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as stdout:
@@ -79,7 +80,7 @@ def main() -> None:
     parser.add_argument("--out-dir", default=str(results_file.RESULTS))
     args = parser.parse_args()
     # The header names the devices this process's JAX sees: as many as the profiles ran on.
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    os.environ["XLA_FLAGS"] = cpu_flags("", args.devices)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     runs = []
     cores = os.cpu_count()

@@ -20,8 +20,9 @@ from __future__ import annotations
 import os
 
 # Simulated devices for the CPU backend; must be set before JAX starts. Other backends ignore it.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+from amsp_jax.core.backend import cpu_flags  # imports no JAX
+
+os.environ["XLA_FLAGS"] = cpu_flags(os.environ.get("XLA_FLAGS", ""), 8)
 
 import argparse
 import dataclasses
@@ -249,8 +250,10 @@ def build_entries(
         amsp.append(("zero3-split", defaults))
     for name, plan in amsp:
         start = time.perf_counter()
-        strategy = str(plan.strategy) + ("" if plan.hierarchical else ", flat") + (
-            ", scan" if plan.prefetch is False else ""
+        strategy = (
+            str(plan.strategy)
+            + ("" if plan.hierarchical else ", flat")
+            + (", scan" if plan.prefetch is False else "")
         )
         trainer = aj.Trainer(plan, model, optimizer(), loss_fn, devices)
         trainer.setup(key, host_batch["inputs"])

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import re
 import socket
 import subprocess
@@ -9,6 +10,8 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import optax
 import pytest
@@ -19,6 +22,7 @@ from amsp_jax import cost
 from amsp_jax.cli import main, probe
 from amsp_jax.cli.rates import PASS_SIZES
 from amsp_jax.compiled import audit
+from amsp_jax.core import backend
 from amsp_jax.cost import host_profile, timing
 from amsp_jax.cost.bandwidth import parse_size
 from amsp_jax.cost.hardware import FLAT, KINDS, LEVELS, MATMUL_DTYPES, ClusterConfigError, from_dict, load
@@ -41,6 +45,11 @@ ROW_KEYS = {
 def plan_json(capsys, *args: str) -> dict:
     assert main(["plan", *args, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
+
+
+# From jaxlib 0.12 the library keeps XLA:CPU's YNNPACK fusions to dots; before, XLA's default stands,
+# which fuses elementwise ops and reductions too.
+YNNPACK_DOTS_ONLY = tuple(map(int, jaxlib.__version__.split(".")[:2])) >= (0, 12)
 
 
 def test_plan_json_has_the_chosen_plan_beside_every_preset(capsys):
@@ -125,6 +134,7 @@ def test_a_cpu_mesh_is_priced_with_this_hosts_profile_measured_once(tmp_path, mo
     def profile(command, env, check):
         runs.append(command)
         assert "--xla_force_host_platform_device_count=8" in env["XLA_FLAGS"]
+        assert (backend.CPU_LIBRARY_FUSIONS in env["XLA_FLAGS"]) == YNNPACK_DOTS_ONLY
         out = command[command.index("--out") + 1]
         values = yaml.safe_load((REPO / "configs/clusters/cpu-sim.yaml").read_text())
         here = {"host": socket.gethostname(), "cpu": host_profile.cpu_model(), "jax": jax.__version__}
@@ -144,6 +154,28 @@ def test_a_cpu_mesh_is_priced_with_this_hosts_profile_measured_once(tmp_path, mo
     # The key names the host, its CPU, the mesh and jax.
     key = host_profile.key(2, 4)
     assert key.startswith(socket.gethostname().lower()) and f"_cpu2x4_jax{jax.__version__}" in key
+
+
+def test_the_cpu_platform_runs_ynnpack_as_the_library_sets_it_and_profiles_are_keyed_by_it(monkeypatch):
+    """From jaxlib 0.12 the CPU mesh runs with YNNPACK fusions for dots only (`backend.cpu_flags`, set
+    here by the suite's conftest as by the CLI): the compiled program of a matmul, a norm and a sum has
+    no YNNPACK fusion without a dot, where XLA's default (kept before 0.12) fuses the norm and the sum
+    too. Another setting is another host profile."""
+
+    def loss(w, x):
+        h = (x @ w).astype(jnp.float32)
+        return jnp.sum(jnp.tanh(h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)))
+
+    x, w = jnp.ones((64, 256), jnp.bfloat16), jnp.ones((256, 256), jnp.bfloat16)
+    text = jax.jit(jax.grad(loss)).lower(w, x).compile().as_text()
+    bodies = {m[1]: m[2] for m in re.finditer(r"\n(%\S+) .*?\{\n(.*?)\n\}", text, re.S)}
+    fused = re.findall(r"calls=(%[^,\s]+),.*__ynn_fusion", text)
+    dots_only = all(" dot(" in bodies[name] for name in fused)
+    assert fused and dots_only == (backend.CPU_LIBRARY_FUSIONS in os.environ["XLA_FLAGS"].split()), fused
+    assert dots_only == YNNPACK_DOTS_ONLY
+    profile = host_profile.path(2, 4)
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_cpu_experimental_ynn_fusion_type= {backend.DEVICE_COUNT_FLAG}=8")
+    assert host_profile.path(2, 4) != profile
 
 
 def test_profile_writes_a_cluster_config_the_planner_reads(tmp_path, monkeypatch, capsys):

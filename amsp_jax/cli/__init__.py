@@ -16,6 +16,7 @@ import sys
 import traceback
 from typing import NoReturn
 
+from amsp_jax.core import backend
 from amsp_jax.errors import AmspError, is_input_error, one_line
 
 COMMANDS = {
@@ -60,8 +61,7 @@ def simulate_host_devices(argv: list[str]) -> None:
 
     The flag only shapes the host (CPU) platform, so it is harmless where an accelerator is used.
     """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" in flags or "jax" in sys.modules:
+    if "jax" in sys.modules:
         return
     values = dict(itertools.pairwise(argv))
     try:
@@ -70,7 +70,7 @@ def simulate_host_devices(argv: list[str]) -> None:
         count = 8
     if count < 1:
         count = 8  # the flags are rejected with a clear error once parsed
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    os.environ["XLA_FLAGS"] = backend.cpu_flags(os.environ.get("XLA_FLAGS", ""), count)
 
 
 def check_counts(args: argparse.Namespace) -> None:

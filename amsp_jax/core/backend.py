@@ -24,6 +24,30 @@ REDUCE_SCATTER_COMBINE_BYTES = 32 * _MIB
 ANALYTICAL_ESTIMATOR_BEFORE = (0, 11)
 
 
+# The host platform's XLA settings the library runs its CPU meshes with (`cpu_flags`). XLA:CPU hands
+# elementwise ops and reductions to YNNPACK as well as dots; jaxlib 0.12's kernels for the former ran
+# the steps of simulated devices sharing a host's cores longer than XLA's own loops, so from 0.12
+# YNNPACK is kept to dots (0.10.2's ran faster than its loops, so earlier jaxlibs keep their default).
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+CPU_LIBRARY_FUSIONS = "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_DOT"
+CPU_LIBRARY_FUSIONS_FROM = (0, 12)
+
+
+def cpu_flags(flags: str, devices: int | None = None) -> str:
+    """`flags` (an `XLA_FLAGS` value) with what the CPU platform runs with added, each only where `flags`
+    does not set it already: `devices` simulated devices (None: none asked for) and, from jaxlib 0.12,
+    YNNPACK for dots only. XLA reads them when JAX creates its CPU backend, so they go into `XLA_FLAGS`
+    before that."""
+    names = {f.split("=")[0] for f in flags.split()}
+    added = []
+    if devices is not None and DEVICE_COUNT_FLAG not in names:
+        added.append(f"{DEVICE_COUNT_FLAG}={devices}")
+    installed = _version(metadata.version("jaxlib"))
+    if installed >= CPU_LIBRARY_FUSIONS_FROM and CPU_LIBRARY_FUSIONS.split("=")[0] not in names:
+        added.append(CPU_LIBRARY_FUSIONS)
+    return " ".join([flags.strip(), *added]).strip()
+
+
 @contextmanager
 def predicting_for(jaxlib: str | None) -> Iterator[None]:
     """Predict as for the XLA of `jaxlib` (None: the installed one) while inside: which per-version

@@ -4,14 +4,15 @@ A CPU mesh of simulated devices shares the host's cores and memory, so its rates
 the shipped `cpu-sim` was measured on another machine, whose numbers put a step off by a factor of two
 here. `load(nodes, per_node)` returns the profile of this host for a mesh of that shape, from the cache
 (`directory()`: `$AMSP_JAX_PROFILE_DIR`, else `$XDG_CACHE_HOME/amsp-jax/profiles`, else
-`~/.cache/amsp-jax/profiles`), one file per `key(nodes, per_node)`: host name, CPU model, mesh shape
-and jax version, each of which changes the rates. Without one it measures it first (`amsp-jax profile`
-in a child process, its time said up front and a progress bar shown), or, with
-`AMSP_JAX_HOST_PROFILE=refuse`, stops with one line naming the command that makes it.
+`~/.cache/amsp-jax/profiles`), one file per `key(nodes, per_node)`: host name, CPU model, mesh shape,
+jax version and the CPU platform's XLA settings, each of which changes the rates. Without one it
+measures it first (`amsp-jax profile` in a child process, its time said up front and a progress bar
+shown), or, with `AMSP_JAX_HOST_PROFILE=refuse`, stops with one line naming the command that makes it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import re
@@ -23,6 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from amsp_jax.core.backend import DEVICE_COUNT_FLAG, cpu_flags
 from amsp_jax.cost.bandwidth import ClusterConfigError
 
 if TYPE_CHECKING:
@@ -50,11 +52,21 @@ def jax_version() -> str:
     return metadata.version("jax")
 
 
+def cpu_settings() -> str:
+    """A short digest of the CPU platform's XLA settings this process runs with (`cpu_flags` over
+    `XLA_FLAGS`, the device count left out): the code XLA:CPU runs a step with follows them."""
+    flags = cpu_flags(os.environ.get("XLA_FLAGS", "")).split()
+    settings = sorted(f for f in flags if f.startswith("--xla_cpu") and not f.startswith(DEVICE_COUNT_FLAG))
+    return hashlib.sha1(" ".join(settings).encode()).hexdigest()[:8]
+
+
 def key(nodes: int, per_node: int) -> str:
     """The cache key of a profile of `nodes` × `per_node` simulated CPU devices on this host: host
-    name, CPU model, mesh shape and jax version, since each changes what the devices run at."""
+    name, CPU model, mesh shape, jax version and XLA:CPU settings, since each changes what the devices
+    run at."""
     slug = lambda text: re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")  # noqa: E731
-    return f"{slug(socket.gethostname())}_{slug(cpu_model())}_cpu{nodes}x{per_node}_jax{jax_version()}"
+    host = f"{slug(socket.gethostname())}_{slug(cpu_model())}"
+    return f"{host}_cpu{nodes}x{per_node}_jax{jax_version()}_xla{cpu_settings()}"
 
 
 def directory() -> Path:
@@ -89,8 +101,8 @@ def measure(nodes: int, per_node: int, say: Callable[[str], None]) -> Path:
         f"`{profile_command(nodes, per_node, 'FILE')}` makes one ahead; {MODE}=refuse refuses instead."
     )
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={nodes * per_node}"])
+    flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG))
+    env["XLA_FLAGS"] = cpu_flags(flags, nodes * per_node)
     command = ["profile", "--nodes", str(nodes), "--out", str(partial), "--name", HOST]
     child = subprocess.run([sys.executable, "-m", "amsp_jax.cli", *command], env=env, check=False)
     if child.returncode != 0:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import jax
 from jax._src import xla_bridge
 
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+from amsp_jax.core.backend import DEVICE_COUNT_FLAG, cpu_flags
 
 
 def backends_started() -> bool:
@@ -33,15 +33,16 @@ def backends_started() -> bool:
 
 def simulate_cpu_devices(count: int) -> bool:
     """Ask XLA for `count` host devices unless the flag is already set or JAX has started; True if set.
+    Until JAX starts, the CPU platform's other settings (`core.backend.cpu_flags`) are added too.
 
-    The flag only changes the CPU platform: on a GPU or TPU machine `jax.devices()` still lists the
-    accelerators, so it is safe to set before knowing the platform.
+    The flags only change the CPU platform: on a GPU or TPU machine `jax.devices()` still lists the
+    accelerators, so it is safe to set them before knowing the platform.
     """
     flags = os.environ.get("XLA_FLAGS", "")
-    if DEVICE_COUNT_FLAG in flags or backends_started():
+    if backends_started():
         return False
-    os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={count}".strip()
-    return True
+    os.environ["XLA_FLAGS"] = cpu_flags(flags, count)
+    return DEVICE_COUNT_FLAG not in flags
 
 
 def _env_int(name: str, default: int = 1) -> int:
