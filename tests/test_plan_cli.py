@@ -319,12 +319,17 @@ def test_probe_fit_recovers_what_a_stored_p_costs_beyond_its_bytes():
         extra = blocks[probe.BLOCKS.index("params")] > 0 and blocks[probe.BLOCKS.index("model")] / 1.5e9
         probes.append(probe.Probe(str(i), tuple(blocks), int(traffic), 0.02 * i,
                                   0.02 * i + 0.005 + traffic / 3e9 + extra))  # fmt: skip
-    passes = probe.fit(probes)
+    with backend.predicting_for("0.10.2"):  # an XLA:CPU that converts a stored bf16 P at each use
+        passes = probe.fit(probes)
+        # Without a stored P among them the probes say nothing of it.
+        alone = probe.fit([p for p in probes if not p.blocks[probe.BLOCKS.index("params")]])
     assert passes.bandwidth == pytest.approx(3e9, rel=1e-6)
     assert passes.step_overhead_s == pytest.approx(0.005, rel=1e-6)
     assert passes.stored_params == pytest.approx(2.0, rel=1e-6)  # bytes at 3 GB/s per byte at 1.5
-    # Without a stored P among them the probes say nothing of it.
-    assert probe.fit([p for p in probes if not p.blocks[probe.BLOCKS.index("params")]]).stored_params == 0
+    assert alone.stored_params == 0
+    # From jaxlib 0.11 XLA:CPU runs bf16 dots in bf16: a stored P has no conversion to price.
+    with backend.predicting_for("0.12.0"):
+        assert probe.fit(probes).stored_params == 0
 
 
 def test_probe_fit_prices_a_split_by_what_it_ran_beyond_its_flat_twin():

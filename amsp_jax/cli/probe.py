@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from amsp_jax.core import backend
 from amsp_jax.cost.hardware import PASS_BLOCKS as BLOCKS
 from amsp_jax.errors import AmspError
 
@@ -318,8 +319,11 @@ def fit(probes: list[Probe], speed: Callable[[float], float] = lambda nbytes: 1.
     # no negative one: a column the fit would give a negative coefficient is dropped and the rest refit
     # (keeping the free fit's slope with the intercept dropped would price every step too high by it).
     columns = [weight, weight * at_scale, weight * stored, weight * compute]
-    # Only probes with and without a stored P tell its cost from the passes'.
-    active = [0, 1, 2] if stored.any() and not stored.all() else [0, 1]
+    # Only probes with and without a stored P tell its cost from the passes', and only where XLA:CPU
+    # converts a stored 16-bit weight to fp32 at each use (`backend.widens_16bit_dots`) is there a cost
+    # to tell: elsewhere the column would take up whatever noise tells the P-storing probes apart.
+    tells = stored.any() and not stored.all() and backend.widens_16bit_dots("cpu")
+    active = [0, 1, 2] if tells else [0, 1]
     if compute.any():
         active.append(3)
     while True:

@@ -55,12 +55,14 @@ mesh these passes are most of a step (zero1's replicated fp32 gradient is what m
 zero2 at equal bytes on the wire), and their speed depends on the block's size: a fresh buffer comes
 from pages the kernel maps on first touch, a small one from the allocator's reused memory and the cache.
 The profile measures that curve (`memory_bandwidths`) and each block runs at its size's speed relative
-to the largest. A P stored apart from the master costs more than its block's bytes say: XLA:CPU computes
-a bf16 matmul in fp32, so a stored 16-bit weight is converted from memory at each of its uses, where the
-master gathered for zero3 is cast in cache; the probe steps' times give it as `stored_params` bytes per
-fp32 parameter byte (`stored_params_time`). A collective split into stages on a backend that runs it
-wider than its dtype (XLA:CPU, bf16) rounds each stage's result in a kernel of its own before the next
-stage reads it (`cost.rounded_bytes`: exactly the compiled bytes a split step adds over its flat form);
+to the largest. A P stored apart from the master costs more than its block's bytes say where XLA:CPU
+computes a bf16 matmul in fp32 (before jaxlib 0.11, `backend.widens_16bit_dots`): a stored 16-bit
+weight is converted from memory at each of its uses, where the master gathered for zero3 is cast in
+cache; the probe steps' times give it as `stored_params` bytes per fp32 parameter byte
+(`stored_params_time`), and a profile on a later jaxlib measures none. A collective split into stages
+on a backend that runs it wider than its dtype (XLA:CPU, bf16) rounds each stage's result in a kernel
+of its own before the next stage reads it (`cost.rounded_bytes`: exactly the compiled bytes a split step
+adds over its flat form);
 those passes belong to the collective (`rounding_time`), priced at `split_results` bytes per byte, which
 the probe steps time zero3 split against flat for.
 Without measured passes or a profiled GPU only the optimizer update is priced: it reads the fp32 gradient,
