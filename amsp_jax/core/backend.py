@@ -168,7 +168,7 @@ def shares_zero_fills(platform: str) -> bool:
     tokens equal the width the two have one shape, and XLA:GPU emits the fill once, in the head's
     forward, and holds it through the loss and the layers' backward to the embedding's gradient
     (jaxlib 0.10.2 and 0.12.0.1: LLaMA-1B's width at 2,048 tokens, t = 4; at 8,192 tokens the two fills
-    are apart; benchmarks/results/memory_fused_loss_h100-sxmx16-compiled_20261202-0110.md).
+    are apart; benchmarks/results/memory_fused_loss_h100-sxmx16-compiled_20261202-0154.md).
     XLA:CPU's steps in the fused forms are priced as the gather form's, so it is not counted there.
     """
     return platform != "cpu"
