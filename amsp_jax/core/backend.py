@@ -182,6 +182,22 @@ def layers_gathered_at_start(platform: str, jaxlib: str | None = None) -> int:
     return 0 if platform == "cpu" else 3
 
 
+def shares_zero_fills(platform: str) -> bool:
+    """Whether XLA gives two zero-filled buffers of one shape a single fill (common-subexpression
+    elimination), which then lives from the first buffer's use to the last's.
+
+    The ring form assembles the head's output, the rank's vocabulary slice of the logits, block by
+    block in zeros (`tensor_ring.gather_matmul`), and the input embedding's gradient is summed into
+    zeros of the rank's vocabulary slice by the lookup's transposed scatter; where a micro-batch's
+    tokens equal the width the two have one shape, and XLA:GPU emits the fill once, in the head's
+    forward, and holds it through the loss and the layers' backward to the embedding's gradient
+    (jaxlib 0.10.2 and 0.12.0.1: LLaMA-1B's width at 2,048 tokens, t = 4; at 8,192 tokens the two fills
+    are apart; benchmarks/results/memory_fused_loss_h100-sxmx16-compiled_20261202-0154.md).
+    XLA:CPU's steps in the fused forms are priced as the gather form's, so it is not counted there.
+    """
+    return platform != "cpu"
+
+
 def drops_unused_collective(platform: str, kind: str) -> bool:
     """Whether XLA removes a collective of `kind` whose result nothing reads (a layer's last
     row-parallel sum, recomputed under remat for nothing): XLA:CPU removes any; XLA:GPU an all-reduce,

@@ -345,13 +345,12 @@ def layer_backward(workload: Workload, split: TensorSplit = WHOLE) -> tuple[int,
 
 def fused_matmul_bytes(workload: Workload, split: TensorSplit) -> tuple[int, int]:
     """(bytes at the loss's peak, bytes at the layers' backward's peak) that a fused matmul form holds
-    beyond the gather form's, per micro-batch and device, in a step compiled for a GPU.
-
-    From the buffers live at each peak of steps compiled for H100s (LLaMA-1B's and 7B's widths at t = 4,
-    beside the same steps in the gather form):
+    beyond the gather form's, per micro-batch and device, in a step compiled for a GPU (LLaMA-1B's and
+    7B's widths at t = 4 on H100s, the buffers live at each peak beside the gather form's):
       - the loss: the head's fused matmul and the recomputed last layer's exchanges are in flight beside
-        it, their blocks sent, received and joined: t whole-sequence activations of the layer's width,
-        and in the ring form a second head-sized vocabulary slice;
+        it, their blocks sent, received and joined: t whole-sequence activations of the layer's width;
+        in the ring form also the zero fill its head's output shares with the input embedding's
+        gradient, held from the head's forward to that gradient, through the layers' backward too;
       - the layers' backward: each ring step of the ffn's matmuls (`tensor_ring`) computes its own
         weight gradient, and XLA computes all t before it sums them, beside the up-projections' running
         sum; the cannon form's (`tensor_cannon`) up-projection backward holds four sets of their kernel
@@ -363,12 +362,14 @@ def fused_matmul_bytes(workload: Workload, split: TensorSplit) -> tuple[int, int
     if form == "gather" or workload.platform == "cpu":
         return 0, 0
     d, t, itemsize = workload.dims, split.degree, workload.precision.param_bytes
-    whole = workload.micro_batch_size * workload.seq_len * d.dim * itemsize
-    down = d.dim * split.units(d.ffn_dim) * itemsize  # one rank's slice of an ffn kernel
+    tokens, down = workload.micro_batch_size * workload.seq_len, d.dim * split.units(d.ffn_dim) * itemsize
     if form == "ring":
-        head = split.units(d.vocab_size) * d.dim * itemsize
-        return t * whole + head, (t - 1) * 3 * down + 2 * down
-    return t * whole, 4 * 2 * down
+        # The head's output slice, zero-filled once with an embedding gradient of its shape.
+        logits = (split.units(d.vocab_size), tokens)
+        shared = any(leaf.looked_up and leaf.local_shape(t) == logits for leaf in workload.leaves)
+        fill = math.prod(logits) * itemsize if shared and backend.shares_zero_fills(workload.platform) else 0
+        return t * tokens * d.dim * itemsize + fill, (t - 1) * 3 * down + 2 * down + fill
+    return t * tokens * d.dim * itemsize, 4 * 2 * down  # `down`: one rank's slice of an ffn kernel
 
 
 def _leaf_sums(axes: AxisPlan, workload: Workload) -> Counter[str]:
