@@ -321,7 +321,7 @@ def main() -> None:
     hidden = {"out", "hardware", "profile"} | ({"cluster_config"} if args.profile else set())
     shown = {k: v for k, v in vars(args).items() if k not in hidden}
     command = (
-        ".venv/bin/python -m benchmarks.plan_vs_measured "
+        "python -m benchmarks.plan_vs_measured "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in shown.items())
         + ("" if args.profile else " --no-profile")
     )
