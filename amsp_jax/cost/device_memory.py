@@ -267,16 +267,15 @@ def _layer_activations(workload: Workload, act: int, attention: str, split: Tens
     q, kv, ffn = split.units(d.dim), split.units(2 * d.n_kv_heads * d.head_dim), split.units(d.ffn_dim)
     if attention == "xla":
         # The scores of every (query, key) pair: at the backward's peak the fp32 scores, the
-        # probabilities and their gradients. Measured (compiled step with this attention minus the
-        # flash one, per score): 9.1-9.5 bytes for LLaMA-7B and 13B on A100s in mixed precision at seq
-        # 2048-4096; 13-18 bytes on 4-head test models (XLA keeps transposed copies there), so this
-        # is a lower bound for small models.
+        # probabilities and their gradients: a lower bound for small models, where XLA also keeps
+        # transposed copies of them.
         attention_bytes = b * heads * t * t * (2 * FP32 + act)
     else:
-        # Flash-style: fp32 softmax statistics per row and head (kept for the backward) and the
-        # backward's fp32 dQ accumulator (the forward's fp32 output accumulator is no larger); the
-        # scores stay in on-chip memory (cuDNN) or one tile at a time (blockwise, `layer_backward`).
-        attention_bytes = b * heads * t * FP32 + tokens * split.units(d.n_heads * d.head_dim) * FP32
+        # Flash-style: fp32 softmax statistics per row and head (kept for the backward) and cuDNN's fp32
+        # dQ accumulator (the blockwise one's are counted beside its tile, `layer_backward`); the scores
+        # stay in on-chip memory (cuDNN) or one tile at a time (blockwise).
+        dq = tokens * split.units(d.n_heads * d.head_dim) * FP32 if attention == "cudnn" else 0
+        attention_bytes = b * heads * t * FP32 + dq
     # What the backward reads of one layer (JAX's saved residuals; the same buffers in the GPU-compiled
     # scan): per RMSNorm its fp32 input and normalised output and the activation-dtype result, the
     # attention's q, k, v and output, and six ffn-sized tensors (both projections, sigmoid, silu and
