@@ -271,11 +271,10 @@ def _layer_activations(workload: Workload, act: int, attention: str, split: Tens
         # transposed copies of them.
         attention_bytes = b * heads * t * t * (2 * FP32 + act)
     else:
-        # Flash-style: fp32 softmax statistics per row and head (kept for the backward) and cuDNN's fp32
-        # dQ accumulator (the blockwise one's are counted beside its tile, `layer_backward`); the scores
-        # stay in on-chip memory (cuDNN) or one tile at a time (blockwise).
-        dq = tokens * split.units(d.n_heads * d.head_dim) * FP32 if attention == "cudnn" else 0
-        attention_bytes = b * heads * t * FP32 + dq
+        # Flash-style: fp32 softmax statistics per row and head (kept for the backward) and the
+        # backward's fp32 dQ accumulator (the forward's fp32 output accumulator is no larger); the
+        # scores stay in on-chip memory (cuDNN) or one tile at a time (blockwise, `layer_backward`).
+        attention_bytes = b * heads * t * FP32 + tokens * split.units(d.n_heads * d.head_dim) * FP32
     # What the backward reads of one layer (JAX's saved residuals; the same buffers in the GPU-compiled
     # scan): per RMSNorm its fp32 input and normalised output and the activation-dtype result, the
     # attention's q, k, v and output, and six ffn-sized tensors (both projections, sigmoid, silu and
@@ -288,7 +287,8 @@ def _layer_activations(workload: Workload, act: int, attention: str, split: Tens
         # tensor parallelism, both ffn up-projections) and the layer input; the down projection's
         # output is only added to the residual stream.
         "dots": act * (rows * d.dim + tokens * (q + kv + 2 * ffn + d.dim)),
-        "none": full_layer,
+        # Every layer's residuals, but the blockwise attention's dQ accumulator: only its backward's.
+        "none": full_layer - (attention == "blockwise") * tokens * split.units(d.n_heads * d.head_dim) * FP32,
     }[workload.remat]
     return kept, full_layer
 
