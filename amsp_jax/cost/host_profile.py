@@ -53,10 +53,10 @@ def jax_version() -> str:
 
 
 def cpu_settings() -> str:
-    """A short digest of the CPU platform's XLA settings this process runs with (`cpu_flags` over
-    `XLA_FLAGS`, the device count left out): the code XLA:CPU runs a step with follows them."""
+    """A short digest of the CPU platform's XLA settings this process runs with (the `--xla_cpu` flags
+    of `cpu_flags` over `XLA_FLAGS`): the code XLA:CPU runs a step with follows them."""
     flags = cpu_flags(os.environ.get("XLA_FLAGS", "")).split()
-    settings = sorted(f for f in flags if f.startswith("--xla_cpu") and not f.startswith(DEVICE_COUNT_FLAG))
+    settings = sorted(f for f in flags if f.startswith("--xla_cpu"))
     return hashlib.sha1(" ".join(settings).encode()).hexdigest()[:8]
 
 
