@@ -265,6 +265,7 @@ def _layer_activations(workload: Workload, act: int, attention: str, split: Tens
     tokens, heads = b * t, split.units(d.n_heads)
     rows = split.rows(tokens)  # the norms' and residuals' tokens
     q, kv, ffn = split.units(d.dim), split.units(2 * d.n_kv_heads * d.head_dim), split.units(d.ffn_dim)
+    dq = tokens * split.units(d.n_heads * d.head_dim) * FP32  # a flash attention's fp32 dQ accumulator
     if attention == "xla":
         # The scores of every (query, key) pair: at the backward's peak the fp32 scores, the
         # probabilities and their gradients: a lower bound for small models, where XLA also keeps
@@ -274,7 +275,7 @@ def _layer_activations(workload: Workload, act: int, attention: str, split: Tens
         # Flash-style: fp32 softmax statistics per row and head (kept for the backward) and the
         # backward's fp32 dQ accumulator (the forward's fp32 output accumulator is no larger); the
         # scores stay in on-chip memory (cuDNN) or one tile at a time (blockwise, `layer_backward`).
-        attention_bytes = b * heads * t * FP32 + tokens * split.units(d.n_heads * d.head_dim) * FP32
+        attention_bytes = b * heads * t * FP32 + dq
     # What the backward reads of one layer (JAX's saved residuals; the same buffers in the GPU-compiled
     # scan): per RMSNorm its fp32 input and normalised output and the activation-dtype result, the
     # attention's q, k, v and output, and six ffn-sized tensors (both projections, sigmoid, silu and
@@ -288,7 +289,7 @@ def _layer_activations(workload: Workload, act: int, attention: str, split: Tens
         # output is only added to the residual stream.
         "dots": act * (rows * d.dim + tokens * (q + kv + 2 * ffn + d.dim)),
         # Every layer's residuals, but the blockwise attention's dQ accumulator: only its backward's.
-        "none": full_layer - (attention == "blockwise") * tokens * split.units(d.n_heads * d.head_dim) * FP32,
+        "none": full_layer - (attention == "blockwise") * dq,
     }[workload.remat]
     return kept, full_layer
 
